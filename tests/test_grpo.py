@@ -1,0 +1,125 @@
+"""grpo.py: equations 9, 10 and 11 against hand-computed values, a learning test, and the update's
+independence from how the batch is split over micro-batches and processes."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import grpo
+from conftest import ROOT, even_token_reward
+
+
+# ---- Eq. 10: group-relative advantages -------------------------------------------------------------
+def test_advantages_match_concepts_worked_example():
+    # concepts.txt: rewards 2, 10, 3; mean 5; population std sqrt(38/3) = 3.559 ("about 3.5")
+    adv = grpo.group_advantages(torch.tensor([2.0, 10.0, 3.0]), group_size=3)
+    std = math.sqrt(38 / 3)
+    assert adv.tolist() == pytest.approx([-3 / std, 5 / std, -2 / std], abs=1e-5)
+    assert adv.tolist() == pytest.approx([-0.86, 1.43, -0.57], abs=0.03)  # the example's rounded values
+
+
+def test_advantages_are_per_group_and_zero_for_identical_rewards():
+    rewards = torch.tensor([0.0, 1.0, 1.0, 1.0, 0.1, 0.1, 0.1, 0.1])
+    adv = grpo.group_advantages(rewards, group_size=4)
+    # first group: mean 0.75, population std sqrt(3)/4
+    std = math.sqrt(3) / 4
+    assert adv[:4].tolist() == pytest.approx([-0.75 / std] + [0.25 / std] * 3, abs=1e-5)
+    assert torch.isfinite(adv).all()
+    assert adv[4:].tolist() == [0.0] * 4  # identical rewards: zero, not NaN
+    assert grpo.group_advantages(torch.tensor([0.0, 1.0]), 2).tolist() == pytest.approx([-1, 1], abs=1e-5)
+
+
+# ---- Eq. 11: k3 estimator of KL(pi || pi_ref) -------------------------------------------------------
+def test_kl_k3_values():
+    logprobs = torch.log(torch.tensor([0.5, 0.2, 0.3]))
+    ref = torch.log(torch.tensor([0.25, 0.2, 0.6]))
+    # pi_ref/pi - log(pi_ref/pi) - 1: 0.5 + log 2 - 1 ; 0 ; 2 - log 2 - 1
+    expected = [0.5 + math.log(2) - 1, 0.0, 2 - math.log(2) - 1]
+    assert grpo.kl_k3(logprobs, ref).tolist() == pytest.approx(expected, abs=1e-6)
+    assert (grpo.kl_k3(torch.randn(100), torch.randn(100)) >= 0).all()
+
+
+# ---- Eq. 9: clipped surrogate, sample-level ---------------------------------------------------------
+def one_token_loss(ratio: float, advantage: float, clip_eps: float = 0.2):
+    logprobs = torch.tensor([[math.log(ratio)]], requires_grad=True)
+    loss, stats = grpo.policy_loss(logprobs, torch.zeros(1, 1), torch.tensor([advantage]), torch.ones(1, 1), clip_eps)
+    loss.backward()
+    return loss.item(), logprobs.grad.item(), stats
+
+
+def test_clip_upper_bound_with_positive_advantage():
+    # concepts.txt: ratio 1.35, A = +1.43, eps 0.2 -> objective clip(1.35) * A = 1.2 * 1.43, no gradient
+    loss, grad, stats = one_token_loss(1.35, 1.43)
+    assert loss == pytest.approx(-1.2 * 1.43, abs=1e-6)
+    assert grad == 0.0 and stats["clipfrac"] == 1.0
+
+
+def test_clip_lower_bound_with_negative_advantage():
+    # concepts.txt's PPO example, checked against eq. 1: ratio 0.7, A = -2.1:
+    # min(0.7 * -2.1, 0.8 * -2.1) = min(-1.47, -1.68) = -1.68, the clipped term, so no gradient.
+    loss, grad, _ = one_token_loss(0.7, -2.1)
+    assert loss == pytest.approx(1.68, abs=1e-6)
+    assert grad == 0.0
+
+
+def test_unclipped_side_keeps_its_gradient():
+    # ratio 1.35 with a negative advantage: min(-2.835, -2.52) = -2.835 (unclipped, pessimistic)
+    loss, grad, stats = one_token_loss(1.35, -2.1)
+    assert loss == pytest.approx(1.35 * 2.1, abs=1e-6)
+    assert grad == pytest.approx(1.35 * 2.1, abs=1e-5)  # d(-r A)/d log r = -r A
+    assert stats["clipfrac"] == 0.0
+
+
+def test_sample_level_aggregation_weights_each_sequence_equally():
+    # Two sequences, lengths 1 and 3, advantages +1 and -1, ratio 1: eq. 9 averages tokens within each
+    # sequence, then sequences: (1 + (-1)) / 2 = 0. Token-level would give (1 - 3) / 4 = -0.5.
+    logprobs = torch.zeros(2, 3, requires_grad=True)
+    mask = torch.tensor([[1.0, 0, 0], [1, 1, 1]])
+    loss, stats = grpo.policy_loss(logprobs, torch.zeros(2, 3), torch.tensor([1.0, -1.0]), mask, 0.2)
+    loss.backward()
+    assert loss.item() == pytest.approx(0.0, abs=1e-7)
+    # d loss / d logprob_{i,t} = -A_i / (|o_i| * G)
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-0.5, 0, 0], [1 / 6, 1 / 6, 1 / 6]]))
+
+
+# ---- Learning: a tiny model improves on a toy reward ------------------------------------------------
+def test_grpo_learns_a_toy_reward(peaked_model_dir, tmp_path):
+    args = grpo.Args(model=peaked_model_dir, num_steps=20, prompts_per_step=4, group_size=8, max_new_tokens=8,
+                     learning_rate=1e-3, beta=0.0, eval_every=0, save_every=0, eval_size=1, test_size=8,
+                     micro_batch_size=32, runs_dir=str(tmp_path), seed=1)
+    out = grpo.train(args, reward_fn=even_token_reward)
+    rewards = [json.loads(line)["charts/reward"] for line in open(os.path.join(out["run_dir"], "metrics.jsonl"))]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-5:]) / 5
+    assert first < 0.65, rewards
+    assert last > 0.85, rewards  # the fraction of even tokens went from ~0.5 to nearly all
+
+
+# ---- The update does not depend on the split ----------------------------------------------------------
+def run_update(algo, model_dir, out, nproc=1, **flags):
+    worker = os.path.join(ROOT, "tests", "update_worker.py")
+    extra = [f"{k}={v}" for k, v in flags.items()]
+    if nproc == 1:
+        cmd = [sys.executable, worker, algo, model_dir, str(out), *extra]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+               worker, algo, model_dir, str(out), *extra]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    result = subprocess.run(cmd, capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("algo", ["grpo"])
+def test_update_is_the_same_for_any_split(algo, tiny_model_dir, tmp_path):
+    start = torch.cat([p.flatten() for p in __import__("common").load_model(tiny_model_dir, torch.device("cpu")).parameters()])
+    whole = run_update(algo, tiny_model_dir, tmp_path / "whole.pt", micro_batch_size=8)
+    assert (whole - start).abs().max() > 1e-2  # the update moved the weights
+    accumulated = run_update(algo, tiny_model_dir, tmp_path / "accum.pt", micro_batch_size=1)
+    torch.testing.assert_close(accumulated, whole, atol=2e-6, rtol=1e-4)
+    two_processes = run_update(algo, tiny_model_dir, tmp_path / "ddp.pt", nproc=2, micro_batch_size=2)
+    torch.testing.assert_close(two_processes, whole, atol=2e-6, rtol=1e-4)

@@ -1,0 +1,59 @@
+"""Run one algorithm's update on a fixed synthetic batch, one process or under torchrun, and save the
+resulting weights. Each process takes its contiguous share of the batch, as the training loop does.
+
+usage: [torchrun --nproc_per_node=N] update_worker.py ALGO MODEL_DIR OUT.pt [flag=value ...]
+"""
+
+import importlib
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+import common  # noqa: E402
+from conftest import synthetic_rollout  # noqa: E402
+
+
+def main():
+    algo_name, model_dir, out = sys.argv[1:4]
+    algo = importlib.import_module(algo_name)
+    overrides = dict(kv.split("=", 1) for kv in sys.argv[4:])
+    args = algo.Args(model=model_dir, beta=0.05, learning_rate=1.0, group_size=4, prompts_per_step=2,
+                     max_grad_norm=1e9)  # no clipping: it would hide a wrongly scaled gradient
+    for k, v in overrides.items():
+        setattr(args, k, type(getattr(args, k))(v))
+    d = common.setup_distributed("cpu")
+    torch.manual_seed(0)
+    policy = common.load_model(model_dir, d.device)
+    ref_model = common.load_model(model_dir, d.device, trainable=False)
+    with torch.no_grad():  # a reference that differs from the policy, so the KL term has a gradient
+        for p in ref_model.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    optimizer = torch.optim.SGD(policy.parameters(), lr=args.learning_rate)
+
+    full = synthetic_rollout(batch_size=8)
+    rewards = torch.tensor([0.0, 1.0, 0.1, 0.1, 1.0, 1.0, 0.0, 0.1])
+    advantages = algo.group_advantages(rewards, args.group_size)
+    ref_logprobs_full = common.batched_logprobs(ref_model, full, 8)[0]
+    old_logprobs_full = common.batched_logprobs(policy, full, 8)[0] + 0.05 * torch.randn(
+        full.completion_ids.shape, generator=torch.Generator().manual_seed(1))
+
+    share = len(rewards) // d.world_size
+    s = slice(d.rank * share, (d.rank + 1) * share)
+    mine = common.Rollout(full.prompt_ids[s], full.prompt_mask[s], full.completion_ids[s],
+                          full.completion_mask[s], full.texts[s], full.finish_reasons[s])
+    if d.enabled:
+        policy = DDP(policy)
+    algo.update_policy(policy, optimizer, mine, advantages[s], old_logprobs_full[s], ref_logprobs_full[s],
+                       args, torch.Generator().manual_seed(0), d)
+    if d.is_main:
+        torch.save(torch.cat([p.detach().flatten() for p in common.unwrap(policy).parameters()]), out)
+    common.cleanup_distributed()
+
+
+if __name__ == "__main__":
+    main()

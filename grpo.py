@@ -167,6 +167,57 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Update: update_epochs passes of num_minibatches optimizer steps, each accumulated over micro-batches
+# ----------------------------------------------------------------------------------------------------
+def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_logprobs, ref_logprobs,
+                  args: Args, generator: torch.Generator, d: common.Dist) -> dict:
+    """Minimise -eq. 9 (clipped surrogate - beta * k3 KL, sample-level) over the rollout; mean stats.
+
+    Every process holds the same number of sequences, and DDP averages gradients over processes, so
+    weighting each micro-batch by its share of the local minibatch gives the global sample-level mean:
+    the update does not depend on how the batch is split over micro-batches and processes.
+    """
+    mask = rollout.completion_mask.to(torch.float32)
+    batch_size = len(advantages)
+    stats_sum: dict[str, float] = {}
+    skipped = 0
+    policy.train()
+    for _ in range(args.update_epochs):
+        for minibatch in torch.randperm(batch_size, generator=generator).chunk(args.num_minibatches):
+            optimizer.zero_grad(set_to_none=True)
+            micro_batches = minibatch.split(args.micro_batch_size)
+            for i, idx in enumerate(micro_batches):
+                last = i == len(micro_batches) - 1
+                with policy.no_sync() if d.enabled and not last else contextlib.nullcontext():
+                    logprobs, entropy = common.completion_logprobs(
+                        policy, rollout.prompt_ids[idx], rollout.prompt_mask[idx], rollout.completion_ids[idx],
+                        rollout.completion_mask[idx], args.temperature, with_entropy=True)
+                    old = logprobs.detach() if old_logprobs is None else old_logprobs[idx]
+                    pg_loss, stats = policy_loss(logprobs, old, advantages[idx], mask[idx], args.clip_eps)
+                    if ref_logprobs is not None:
+                        kl = sequence_mean(kl_k3(logprobs, ref_logprobs[idx]), mask[idx])
+                    else:
+                        kl = torch.zeros((), device=logprobs.device)
+                    loss = pg_loss + args.beta * kl
+                    (loss * len(idx) / len(minibatch)).backward()
+                stats.update(policy_loss=pg_loss.item(), kl_ref=kl.item(),
+                             entropy=sequence_mean(entropy.detach(), mask[idx]).item())
+                for k, v in stats.items():
+                    stats_sum[k] = stats_sum.get(k, 0.0) + v * len(idx) / (batch_size * args.update_epochs)
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            if torch.isfinite(grad_norm):
+                optimizer.step()
+            else:  # a NaN/inf gradient never reaches the weights
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+            stats_sum["grad_norm"] = stats_sum.get("grad_norm", 0.0) + grad_norm.item() / (
+                args.num_minibatches * args.update_epochs)
+    policy.eval()
+    stats_sum["skipped_updates"] = skipped
+    return stats_sum
+
+
+# ----------------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------------
 def check_args(args: Args, world_size: int) -> None:
@@ -199,7 +250,7 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
     if d.enabled:
         policy = DDP(policy)
 
-    # Data: prompts per process per step, groups of G contiguous completions
+    # Data: each process takes its share of prompts_per_step; groups of G contiguous completions
     train_tasks, test_tasks = common.load_countdown(
         args.dataset, args.test_size, args.seed, min_numbers=args.task_min_numbers,
         max_numbers=args.task_max_numbers, max_value=args.task_max_value, operators=args.task_operators)
@@ -219,7 +270,6 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
             rollout = backend.generate(prompts, args.group_size, args.max_new_tokens, args.temperature,
                                        args.top_p, seed=args.seed * 1_000_003 + step * 1_009 + d.rank)
         group_tasks = [t for t in tasks for _ in range(args.group_size)]
-        mask = rollout.completion_mask.to(torch.float32)
 
         # ---- Reward ------------------------------------------------------------------------------
         if reward_fn is None:
@@ -244,54 +294,19 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
             ref_logprobs = common.batched_logprobs(
                 ref_model, rollout, args.micro_batch_size, args.temperature)[0] if args.beta > 0 else None
 
-            # ---- Update: eq. 9 = clipped surrogate - beta * KL (eq. 11), sample-level ----------------
-            policy.train()
-            stats_sum: dict[str, float] = {}
-            batch_size = len(rewards)
-            for _ in range(args.update_epochs):
-                for minibatch in torch.randperm(batch_size, generator=update_rng).chunk(args.num_minibatches):
-                    optimizer.zero_grad(set_to_none=True)
-                    micro_batches = minibatch.split(args.micro_batch_size)
-                    for i, idx in enumerate(micro_batches):
-                        no_sync = policy.no_sync() if d.enabled and i < len(micro_batches) - 1 else contextlib.nullcontext()
-                        with no_sync:
-                            logprobs, entropy = common.completion_logprobs(
-                                policy, rollout.prompt_ids[idx], rollout.prompt_mask[idx],
-                                rollout.completion_ids[idx], rollout.completion_mask[idx], args.temperature,
-                                with_entropy=True)
-                            old = logprobs.detach() if old_logprobs is None else old_logprobs[idx]
-                            pg_loss, stats = policy_loss(logprobs, old, advantages[idx], mask[idx], args.clip_eps)
-                            if ref_logprobs is not None:
-                                kl = sequence_mean(kl_k3(logprobs, ref_logprobs[idx]), mask[idx])
-                            else:
-                                kl = torch.zeros((), device=d.device)
-                            loss = pg_loss + args.beta * kl
-                            # Sample-level mean over the minibatch: weight each micro-batch by its share.
-                            (loss * len(idx) / len(minibatch)).backward()
-                        weight = len(idx) / (batch_size * args.update_epochs)
-                        stats.update(policy_loss=pg_loss.item(), kl_ref=kl.item(),
-                                     entropy=sequence_mean(entropy.detach(), mask[idx]).item())
-                        for k, v in stats.items():
-                            stats_sum[k] = stats_sum.get(k, 0.0) + v * weight
-                    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                    if torch.isfinite(grad_norm):
-                        optimizer.step()
-                    else:  # a NaN/inf gradient never reaches the weights
-                        optimizer.zero_grad(set_to_none=True)
-                        skipped_steps += 1
-                    stats_sum["grad_norm"] = stats_sum.get("grad_norm", 0.0) + grad_norm.item() / (
-                        args.num_minibatches * args.update_epochs)
+            # ---- Update (eq. 9, 11) --------------------------------------------------------------
+            stats = update_policy(policy, optimizer, rollout, advantages, old_logprobs, ref_logprobs, args,
+                                  update_rng, d)
             scheduler.step()
-            policy.eval()
+        skipped_steps += stats.pop("skipped_updates")
 
         # ---- Logging -----------------------------------------------------------------------------
         step_time = time.perf_counter() - step_start
-        local_tokens = rollout.completion_lengths.sum().item()
-        n_seq = len(rewards)
+        n_seq, n_tokens = len(rewards), rollout.completion_lengths.sum().item()
         sums = common.all_reduce_sum(
-            [rewards.sum().item(), sum(correct), sum(well_formed), local_tokens, n_seq, zero_std_groups,
+            [rewards.sum().item(), sum(correct), sum(well_formed), n_tokens, n_seq, zero_std_groups,
              sum(r == "length" for r in rollout.finish_reasons), advantages.sum().item(),
-             advantages.pow(2).sum().item()] + [stats_sum[k] for k in sorted(stats_sum)], d)
+             advantages.pow(2).sum().item()] + [stats[k] for k in sorted(stats)], d)
         total_seq, total_tokens = sums[4], sums[3]
         adv_mean = sums[7] / total_seq
         scalars = {
@@ -310,7 +325,7 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
             "time/update": update_time.seconds,
             "time/step": step_time,
         }
-        for k, v in zip(sorted(stats_sum), sums[9:]):
+        for k, v in zip(sorted(stats), sums[9:]):
             scalars[("losses/" if k != "ratio" else "charts/") + k] = v / d.world_size
         if args.eval_every and step % args.eval_every == 0 or step == args.num_steps:
             scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, d,

@@ -1,0 +1,80 @@
+"""Seconds per step and completion tokens per second of grpo.py (or dapo.py/ppo.py) on a fixed config.
+
+Runs the script as a user would, reads its metrics.jsonl, and prints one JSON line: the median step time
+after the first step (warm-up), completion tokens per second, and the peak RSS of the training process.
+With --peer PYTHON, also runs ../shared/bench/peer_trl_grpo.py (TRL's GRPOTrainer) with that Python on
+the same settings, one after the other, so both numbers come from the same machine and moment.
+
+    python benchmark/bench_grpo.py                        # bundled model, 2 prompts x 4, 96 tokens, beta 0.04
+    python benchmark/bench_grpo.py --peer /path/to/trl-venv/bin/python
+    python benchmark/bench_grpo.py --script dapo.py --extra "--dynamic-sampling False"
+"""
+
+import argparse
+import json
+import os
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_ours(a) -> dict:
+    runs = tempfile.mkdtemp(prefix="bench-runs-")
+    cmd = [sys.executable, os.path.join(ROOT, a.script), "--model", a.model, "--num-steps", str(a.steps),
+           "--prompts-per-step", str(a.prompts), "--group-size", str(a.G), "--max-new-tokens", str(a.max_new),
+           "--beta", str(a.beta), "--learning-rate", "1e-6", "--eval-every", "0", "--eval-size", "1",
+           "--save-every", "0", "--runs-dir", runs, "--micro-batch-size", str(a.prompts * a.G),
+           *shlex.split(a.extra)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    peak = max(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, before)
+    (run,) = os.listdir(runs)
+    rows = [json.loads(line) for line in open(os.path.join(runs, run, "metrics.jsonl"))]
+    steady = rows[1:] or rows
+    sps = statistics.median(r["time/step"] for r in steady)
+    mean_len = statistics.mean(r["charts/response_length"] for r in steady)
+    out = {"impl": a.script, "s_per_step": round(sps, 3),
+           "completion_tok_per_s": round(mean_len * a.prompts * a.G / sps, 1), "mean_len": round(mean_len, 1),
+           "generation_s": round(statistics.median(r["time/generation"] for r in steady), 3),
+           "update_s": round(statistics.median(r["time/update"] for r in steady), 3),
+           "peak_rss_mb": peak // 1024}
+    for key in ("charts/generation_batches", "time/regeneration"):
+        if key in steady[0]:
+            out[key] = round(statistics.mean(r[key] for r in steady), 3)
+    return out
+
+
+def run_peer(a) -> dict:
+    peer = os.path.join(ROOT, "..", "shared", "bench", "peer_trl_grpo.py")
+    cmd = [a.peer, peer, a.model, "--steps", str(a.steps), "--G", str(a.G), "--prompts", str(a.prompts),
+           "--max-new", str(a.max_new), "--threads", str(a.threads)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--script", default="grpo.py")
+    p.add_argument("--model", default="bundled")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--prompts", type=int, default=2)
+    p.add_argument("--G", type=int, default=4)
+    p.add_argument("--max-new", type=int, default=96)
+    p.add_argument("--beta", type=float, default=0.04)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--extra", default="", help="more flags for the script")
+    p.add_argument("--peer", default=None, help="a Python with trl installed: also run TRL's GRPOTrainer")
+    a = p.parse_args()
+    print(json.dumps(run_ours(a)), flush=True)
+    if a.peer:
+        print(json.dumps(run_peer(a)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""common.py: data, prompt, masks, log-probs against generation, entropy, errors."""
+
+import json
+import math
+
+import pytest
+import torch
+
+import common
+import countdown_reward
+from conftest import synthetic_rollout
+
+
+def test_generated_tasks_are_solvable_deterministic_and_held_out():
+    tasks = common.generate_tasks(300, seed=3)
+    assert tasks == common.generate_tasks(300, seed=3)
+    for t in tasks:
+        assert 3 <= len(t["nums"]) <= 4 and all(1 <= n <= 99 for n in t["nums"])
+        assert countdown_reward.compute_score(f"</think><answer>{t['solution']}</answer>", t["nums"], t["target"]) == 1.0
+    easy = common.generate_tasks(50, seed=0, min_numbers=2, max_numbers=2, max_value=10, operators="+")
+    assert all(t["target"] == sum(t["nums"]) for t in easy)
+    train, test = common.load_countdown("generated", test_size=64, seed=5, train_size=2000)
+    _, test_other_seed = common.load_countdown("generated", test_size=64, seed=6, train_size=10)
+    assert test == test_other_seed  # the held-out split does not move with the seed
+    held_out = {(tuple(sorted(t["nums"])), t["target"]) for t in test}
+    assert not any((tuple(sorted(t["nums"])), t["target"]) in held_out for t in train)
+
+
+def test_local_files_and_their_errors(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("\n".join(json.dumps({"nums": [i, 2, 3], "target": i + 5}) for i in range(10)))
+    train, test = common.load_countdown(str(path), test_size=3, seed=0)
+    assert len(train) == 7 and test[-1] == {"nums": [9, 2, 3], "target": 14}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"numbers": [1, 2], "target": 3}))
+    with pytest.raises(common.ConfigError, match="--dataset=.*lacks the 'nums' and 'target' columns"):
+        common.load_countdown(str(bad), test_size=1, seed=0)
+    with pytest.raises(common.ConfigError, match="--dataset=.*does not exist"):
+        common.load_countdown(str(tmp_path / "missing.jsonl"), test_size=1, seed=0)
+    with pytest.raises(common.ConfigError, match="--test-size=10 .*only 10 rows"):
+        common.load_countdown(str(path), test_size=10, seed=0)
+
+
+def test_prompt_sampler_shards_the_same_global_batch():
+    tasks = [{"nums": [i], "target": i} for i in range(10)]
+    one = common.PromptSampler(tasks, seed=1)
+    two = [common.PromptSampler(tasks, seed=1) for _ in range(2)]
+    for _ in range(4):  # crosses an epoch boundary
+        whole = one.next_batch(4, common.Dist())
+        halves = [s.next_batch(4, common.Dist(rank=r, world_size=2)) for r, s in enumerate(two)]
+        assert halves[0] + halves[1] == whole
+
+
+def test_prompt_uses_chat_template_and_prefill(tokenizer):
+    task = {"nums": [3, 5, 7], "target": 22}
+    chat = common.make_prompt(tokenizer, task)
+    assert chat.startswith("<|im_start|>system") and "Using the numbers [3, 5, 7], create an equation that equals 22" in chat
+    assert chat.endswith("<|im_start|>assistant\nLet me solve this step by step.\n<think>")
+    base = common.make_prompt(tokenizer, task, "base")
+    assert base.startswith("A conversation between User and Assistant") and base.endswith("<think>")
+
+
+def test_completion_mask_stops_after_first_stop_token():
+    ids = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [2, 2, 2, 2]])
+    mask, reasons = common.completion_mask_from_ids(ids, [2])
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    assert reasons == ["stop", "length", "stop"]
+
+
+def test_logprobs_ignore_left_padding(tiny_model_dir):
+    model = common.load_model(tiny_model_dir, torch.device("cpu"))
+    r = synthetic_rollout(batch_size=3)
+    batched, _ = common.batched_logprobs(model, r, micro_batch_size=3)
+    for i in range(3):  # each row alone, padding stripped, gives the same log-probs
+        keep = r.prompt_mask[i] == 1
+        alone = common.Rollout(r.prompt_ids[i:i + 1, keep], r.prompt_mask[i:i + 1, keep], r.completion_ids[i:i + 1],
+                               r.completion_mask[i:i + 1], [""], ["stop"])
+        single, _ = common.batched_logprobs(model, alone, 1)
+        m = r.completion_mask[i] == 1
+        torch.testing.assert_close(single[0][m], batched[i][m], atol=1e-4, rtol=1e-4)
+
+
+def test_logprobs_match_what_generate_sampled_from(tiny_model_dir, tokenizer):
+    """The trainer's log-probs are those of the distribution generate sampled from (temperature too)."""
+    model = common.load_model(tiny_model_dir, torch.device("cpu"))
+    prompts = ["Hello there", "A much longer prompt than the first one, to force padding"]
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    torch.manual_seed(0)
+    out = model.generate(**enc, do_sample=True, temperature=0.7, top_k=0, max_new_tokens=6,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id)
+    completion = out.sequences[:, enc.input_ids.shape[1]:]
+    expected = torch.stack([torch.log_softmax(l.float() / 0.7, -1) for l in out.logits], 1)
+    expected = expected.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+    mask, _ = common.completion_mask_from_ids(completion, [tokenizer.eos_token_id])
+    got, _ = common.completion_logprobs(model, enc.input_ids, enc.attention_mask, completion, mask, temperature=0.7)
+    torch.testing.assert_close(got[mask == 1], expected[mask == 1], atol=1e-4, rtol=1e-4)
+
+
+def test_entropy_of_a_uniform_and_a_known_distribution(tiny_model_dir):
+    model = common.load_model(tiny_model_dir, torch.device("cpu"))
+    with torch.no_grad():
+        model.model.norm.weight.zero_()  # zero hidden state -> all logits 0 -> uniform over the vocabulary
+    r = synthetic_rollout(batch_size=2)
+    _, entropy = common.batched_logprobs(model, r, 2, with_entropy=True)
+    assert entropy.flatten().tolist() == pytest.approx([math.log(model.config.vocab_size)] * entropy.numel(), abs=1e-4)
+    logits = torch.tensor([0.0, math.log(3.0)])  # p = (1/4, 3/4)
+    expected = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    log_norm = torch.logsumexp(logits, -1)
+    assert (log_norm - (torch.softmax(logits, -1) * logits).sum()).item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_hf_backend_greedy_is_deterministic_and_masks_after_stop(tiny_model_dir, tokenizer):
+    model = common.load_model(tiny_model_dir, torch.device("cpu"))
+    backend = common.HFBackend(model, tokenizer)
+    a = backend.generate(["one", "two three"], 2, 5, temperature=0.0)
+    b = backend.generate(["one", "two three"], 2, 5, temperature=0.0)
+    assert torch.equal(a.completion_ids, b.completion_ids) and a.texts == b.texts
+    assert a.prompt_ids.shape[0] == 4 and torch.equal(a.completion_ids[0], a.completion_ids[1])  # groups contiguous
+    s1 = backend.generate(["one"], 4, 5, temperature=1.0, seed=1)
+    s2 = backend.generate(["one"], 4, 5, temperature=1.0, seed=1)
+    assert torch.equal(s1.completion_ids, s2.completion_ids)
+    assert all(reason in ("stop", "length") for reason in a.finish_reasons)
+
+
+def test_bad_model_name_is_a_clear_error(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(common.ConfigError, match="--model=.*no config.json"):
+        common.resolve_model(str(tmp_path / "empty"))

@@ -1,0 +1,79 @@
+"""The scripts as a user runs them: flags, clear errors, a real run with the bundled model, torchrun."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+SCRIPTS = ["grpo.py"]
+
+
+def run(args, timeout=600, torchrun=False, threads="2"):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = threads
+    prefix = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun else [sys.executable]
+    return subprocess.run(prefix + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(run_root):
+    (run_dir,) = [os.path.join(run_root, d) for d in os.listdir(run_root)]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return run_dir, [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_documents_the_shared_flags(script):
+    out = run([script, "--help"]).stdout
+    for flag in ["--model", "--num-steps", "--prompts-per-step", "--group-size", "--max-new-tokens", "--temperature",
+                 "--learning-rate", "--beta", "--seed", "--eval-every", "--save-every", "--track"]:
+        assert flag in out, flag
+
+
+@pytest.mark.parametrize("script,flags,message", [
+    ("grpo.py", ["--group-size", "1"], "--group-size=1 is not allowed: >= 2"),
+    ("grpo.py", ["--clip-eps", "1.5"], "--clip-eps=1.5 is not allowed: in (0, 1)"),
+    ("grpo.py", ["--max-new-tokens", "0"], "--max-new-tokens=0 is not allowed: a positive integer"),
+    ("grpo.py", ["--num-minibatches", "3"], "--num-minibatches=3 is not allowed: a divisor of the sequences"),
+    ("grpo.py", ["--dataset", "missing.jsonl"], "--dataset='missing.jsonl' is not allowed: the file does not exist"),
+    ("grpo.py", ["--model", "/nonexistent/folder"], "--model='/nonexistent/folder' is not allowed"),
+])
+def test_bad_flags_exit_with_a_one_line_error(script, flags, message, tmp_path):
+    result = run([script, *flags, "--runs-dir", str(tmp_path)], timeout=120)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_grpo_runs_with_the_bundled_model(tmp_path):
+    result = run(["grpo.py", "--num-steps", "2", "--prompts-per-step", "2", "--group-size", "2",
+                  "--max-new-tokens", "24", "--eval-size", "2", "--runs-dir", str(tmp_path), "--learning-rate", "1e-5"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir, rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in ["charts/reward", "charts/accuracy", "charts/format_rate", "losses/kl_ref", "losses/policy_loss",
+                "losses/grad_norm", "charts/eval_accuracy", "time/generation", "time/update"]:
+        assert key in rows[-1], key
+    assert rows[0]["losses/kl_ref"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(run_dir))
+    samples = [json.loads(line) for line in open(os.path.join(run_dir, "samples.jsonl"))]
+    assert samples and "Let me solve this step by step" in samples[0]["prompt"]
+    # the checkpoint is a plain HF folder that transformers loads as it is
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ckpt = os.path.join(run_dir, "checkpoint-2")
+    assert AutoModelForCausalLM.from_pretrained(ckpt).config.num_hidden_layers == 30
+    assert AutoTokenizer.from_pretrained(ckpt).eos_token == "<|im_end|>"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_torchrun_two_cpu_processes(script, tiny_model_dir, tmp_path):
+    result = run([script, "--model", tiny_model_dir, "--num-steps", "2", "--prompts-per-step", "2", "--group-size", "2",
+                  "--max-new-tokens", "8", "--eval-size", "4", "--runs-dir", str(tmp_path)], torchrun=True, threads="1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir, rows = metrics(tmp_path)  # rank 0 alone writes
+    assert len(rows) == 2 and rows[-1]["charts/response_length"] > 0
+    assert os.path.exists(os.path.join(run_dir, "checkpoint-2", "config.json"))

@@ -43,7 +43,7 @@ class Args:
     model: str = common.BUNDLED_MODEL
     """`bundled` (SmolLM2-135M-Instruct, offline), a local HF folder, or a hub id (Qwen/Qwen2.5-1.5B-Instruct)"""
     gradient_checkpointing: bool = False
-    """recompute activations in the backward pass: less memory, ~30% slower updates"""
+    """recompute activations in the backward pass: less memory, slower updates"""
 
     # Data
     dataset: str = "generated"

@@ -11,7 +11,6 @@ import contextlib
 import fcntl
 import importlib.util
 import json
-import math
 import os
 import random
 import shutil
@@ -132,16 +131,6 @@ def all_reduce_sum(values: list[float], d: Dist) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=d.device)
     dist.all_reduce(t)
     return t.tolist()
-
-
-def all_gather_floats(values: list[float], d: Dist) -> list[float]:
-    """Concatenate equal-length float lists from every process, in rank order."""
-    if not d.enabled:
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=d.device)
-    out = [torch.empty_like(t) for _ in range(d.world_size)]
-    dist.all_gather(out, t)
-    return torch.cat(out).tolist()
 
 
 def seed_everything(seed: int) -> None:
@@ -651,8 +640,3 @@ class Timer(contextlib.ContextDecorator):
     def __exit__(self, *exc):
         self.seconds = time.perf_counter() - self.start
         return False
-
-
-def mean(xs) -> float:
-    xs = list(xs)
-    return sum(xs) / len(xs) if xs else math.nan

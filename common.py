@@ -14,6 +14,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field, is_dataclass
@@ -67,6 +68,7 @@ def check_common_args(args, world_size: int = 1) -> None:
     require(args.max_grad_norm > 0, "max_grad_norm", args.max_grad_norm, "> 0")
     require(args.eval_every >= 0, "eval_every", args.eval_every, ">= 0 (0: only at the end)")
     require(args.save_every >= 0, "save_every", args.save_every, ">= 0 (0: only at the end)")
+    require(args.keep_checkpoints >= 0, "keep_checkpoints", args.keep_checkpoints, ">= 0 (0: keep all)")
     require(args.backend in ("hf",), "backend", args.backend, "'hf'")
     require(args.device in ("auto", "cpu", "cuda"), "device", args.device, "'auto', 'cpu' or 'cuda'")
     require(args.prompts_per_step % world_size == 0, "prompts_per_step", args.prompts_per_step,
@@ -230,6 +232,7 @@ def load_model(path: str, device: torch.device, gradient_checkpointing: bool = F
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    disable_dropout(model)
     model.eval()
     model.generation_config.pad_token_id = model.generation_config.pad_token_id or model.config.eos_token_id
     if trainable and gradient_checkpointing:
@@ -237,6 +240,30 @@ def load_model(path: str, device: torch.device, gradient_checkpointing: bool = F
         model.config.use_cache = False
     if not trainable:
         model.requires_grad_(False)
+    return model
+
+
+def disable_dropout(model) -> None:
+    """RL needs the same distribution in the rollout (eval) and the update (train mode): no dropout."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def load_value_model(path: str, device: torch.device, gradient_checkpointing: bool = False):
+    """PPO's critic: the same pretrained backbone with a new scalar head on every token
+    (AutoModelForTokenClassification, num_labels=1, as verl does); no dropout in the head."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    _quiet_transformers()  # the new head is "newly initialized", as intended
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    config.classifier_dropout = 0.0  # dropout would make V differ between the rollout and the update
+    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype).to(device)
+    disable_dropout(model)
+    model.eval()
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
@@ -353,6 +380,13 @@ class PromptSampler:
         per_rank = num_prompts // d.world_size
         return batch[d.rank * per_rank:(d.rank + 1) * per_rank]
 
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._order = self._shuffled()
+
 
 SYSTEM_PROMPT = ("You are a helpful assistant. You first thinks about the reasoning process in the mind "
                  "and then provides the user with the answer.")
@@ -392,6 +426,25 @@ class Rollout:
     @property
     def completion_lengths(self) -> torch.Tensor:
         return self.completion_mask.sum(-1)
+
+    def select(self, rows: list[int]) -> "Rollout":
+        idx = torch.tensor(rows, dtype=torch.long, device=self.prompt_ids.device)
+        return Rollout(self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx],
+                       self.completion_mask[idx], [self.texts[i] for i in rows],
+                       [self.finish_reasons[i] for i in rows])
+
+
+def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
+    """One rollout from several generation batches: prompts re-padded on the left, completions on the right."""
+    def pad(tensors, left: bool, value: int):
+        width = max(t.shape[1] for t in tensors)
+        return torch.cat([F.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]), value=value)
+                          for t in tensors])
+    return Rollout(pad([p.prompt_ids for p in parts], True, pad_token_id),
+                   pad([p.prompt_mask for p in parts], True, 0),
+                   pad([p.completion_ids for p in parts], False, pad_token_id),
+                   pad([p.completion_mask for p in parts], False, 0),
+                   [t for p in parts for t in p.texts], [r for p in parts for r in p.finish_reasons])
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
@@ -491,6 +544,25 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     return logprobs, entropy
 
 
+def completion_values(critic, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+    """V(s_t) (B, T) for every completion token t: the critic's output at the position that predicts
+    token t, i.e. after the prompt and o_<t (the same positions as the log-probs)."""
+    input_ids, attention_mask, position_ids = model_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    T = completion_ids.shape[1]
+    out = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    return out.logits[:, -(T + 1):-1, 0].float()
+
+
+@torch.no_grad()
+def batched_values(critic, rollout: Rollout, micro_batch_size: int) -> torch.Tensor:
+    """completion_values over the whole rollout in micro-batches, without gradients."""
+    return torch.cat([completion_values(unwrap(critic), rollout.prompt_ids[i:i + micro_batch_size],
+                                        rollout.prompt_mask[i:i + micro_batch_size],
+                                        rollout.completion_ids[i:i + micro_batch_size],
+                                        rollout.completion_mask[i:i + micro_batch_size])
+                      for i in range(0, len(rollout.completion_ids), micro_batch_size)])
+
+
 @torch.no_grad()
 def batched_logprobs(model, rollout: Rollout, micro_batch_size: int, temperature: float = 1.0,
                      with_entropy: bool = False):
@@ -542,7 +614,11 @@ def evaluate(backend, tokenizer, tasks: list[dict], max_new_tokens: int, d: Dist
 # Logging: TensorBoard, metrics.jsonl, samples.jsonl, optional W&B; rank 0 only.
 # ----------------------------------------------------------------------------------------------------
 class RunLogger:
-    def __init__(self, run_dir: str, args, d: Dist, track: bool = False, project: str = "rl-countdown"):
+    """args.json, TensorBoard, metrics.jsonl and samples.jsonl on rank 0. `resume_step`: continue a run
+    whose last checkpoint is that step, dropping what was logged after it."""
+
+    def __init__(self, run_dir: str, args, d: Dist, track: bool = False, project: str = "rl-countdown",
+                 resume_step: int | None = None):
         self.run_dir, self.enabled = Path(run_dir), d.is_main
         self.writer = None
         if not self.enabled:
@@ -550,6 +626,9 @@ class RunLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config = asdict(args) if is_dataclass(args) else dict(vars(args))
         (self.run_dir / "args.json").write_text(json.dumps(config, indent=2, default=str))
+        if resume_step is not None:
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                _truncate_after(self.run_dir / name, resume_step)
         if track:
             try:
                 import wandb
@@ -558,7 +637,7 @@ class RunLogger:
             wandb.init(project=project, name=self.run_dir.name, config=config, sync_tensorboard=True)
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(self.run_dir))
+        self.writer = SummaryWriter(str(self.run_dir), purge_step=None if resume_step is None else resume_step + 1)
         self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
             f"|{k}|{v}|" for k, v in config.items()))
         self._metrics = open(self.run_dir / "metrics.jsonl", "a")
@@ -587,15 +666,26 @@ class RunLogger:
             self._samples.close()
 
 
+def _truncate_after(path: Path, step: int) -> None:
+    """Keep the JSON lines of steps <= step (a resumed run rewrites the steps after its checkpoint)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines(keepends=True)
+            if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
 class ProgressBar:
     """A tqdm bar over steps on rank 0 with reward, accuracy and seconds per step."""
 
-    def __init__(self, total: int, d: Dist):
+    def __init__(self, total: int, d: Dist, initial: int = 0):
         self.bar = None
         if d.is_main:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, dynamic_ncols=True, unit="step")
+            self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True, unit="step")
 
     def show(self, scalars: dict) -> None:
         if self.bar is None:
@@ -607,6 +697,11 @@ class ProgressBar:
         self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
         self.bar.update(1)
 
+    def write(self, message: str) -> None:
+        """A line above the bar (rank 0 only)."""
+        if self.bar is not None:
+            self.bar.write(message)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
@@ -615,19 +710,120 @@ class ProgressBar:
 # ----------------------------------------------------------------------------------------------------
 # Checkpoints: plain HF folders (model + tokenizer) that transformers, vLLM and lm-eval load as they are.
 # ----------------------------------------------------------------------------------------------------
-def save_checkpoint(model, tokenizer, run_dir: str, step: int, d: Dist) -> str | None:
-    """Written to a temporary folder and renamed into place, so a crash never leaves half a checkpoint."""
+TRAINER_STATE = "trainer_state.pt"
+
+
+def save_checkpoint(model, tokenizer, run_dir: str, step: int, d: Dist, critic=None, state: dict | None = None,
+                    keep: int = 0) -> str | None:
+    """Written to a temporary folder and renamed into place, so a crash never leaves half a checkpoint.
+    The folder is a plain HF model; PPO's critic goes into `critic/`; `state` (optimizer, schedule, data
+    position, RNGs) into trainer_state.pt for --resume. Only the newest `keep` checkpoints stay (0: all)."""
     path = Path(run_dir) / f"checkpoint-{step}"
     if d.is_main:
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         unwrap(model).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        if critic is not None:
+            unwrap(critic).save_pretrained(tmp / "critic")
+        if state is not None:
+            torch.save(state, tmp / TRAINER_STATE)
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
+        if keep:
+            for old in complete_checkpoints(run_dir)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
     if d.enabled:
         dist.barrier()
     return str(path)
+
+
+def complete_checkpoints(run_dir: str) -> list[Path]:
+    """checkpoint-<step> folders with a trainer state, oldest first (*.tmp folders are half-written)."""
+    found = [p for p in Path(run_dir).glob("checkpoint-*")
+             if p.name.split("-", 1)[1].isdigit() and (p / TRAINER_STATE).exists()]
+    return sorted(found, key=lambda p: int(p.name.split("-", 1)[1]))
+
+
+def find_checkpoint(path: str) -> Path:
+    """--resume: a checkpoint folder, or the newest complete checkpoint of a run folder."""
+    p = Path(path)
+    if (p / TRAINER_STATE).exists():
+        return p
+    found = complete_checkpoints(p) if p.is_dir() else []
+    if not found:
+        raise ConfigError(f"--resume={path!r} is not allowed: no complete checkpoint-<step> folder with "
+                          f"{TRAINER_STATE} there (a run folder under --runs-dir, or one of its checkpoints)")
+    return found[-1]
+
+
+def resume_args(cli_args, defaults, resume: str):
+    """The resumed run's own configuration (its args.json). Flags given now must agree with it, except
+    --num-steps (a run may be extended) and --resume; a conflicting flag is an error, not ignored."""
+    checkpoint = find_checkpoint(resume)
+    saved = json.loads((checkpoint.parent / "args.json").read_text())
+    args = type(cli_args)(**{k: v for k, v in saved.items() if k in asdict(defaults)})
+    for name, value in asdict(cli_args).items():
+        if name == "resume" or (name == "num_steps" and value != defaults.num_steps):
+            setattr(args, name, value)
+        elif value != getattr(defaults, name) and value != getattr(args, name):
+            raise ConfigError(f"--{name.replace('_', '-')}={value!r} is not allowed with --resume: the run "
+                              f"was started with {getattr(args, name)!r} (only --num-steps may change)")
+    return args, checkpoint
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def load_trainer_state(checkpoint: Path) -> dict:
+    return torch.load(checkpoint / TRAINER_STATE, map_location="cpu", weights_only=False)
+
+
+def trainer_state(step: int, skipped_steps: int, update_rng: torch.Generator, **stateful) -> dict:
+    """Everything besides the weights that a resumed run needs to continue as if never stopped:
+    `stateful` objects' state_dict() (optimizers, scheduler, prompt sampler), the RNGs, the counters."""
+    return {"step": step, "skipped_steps": skipped_steps, "update_rng": update_rng.get_state(),
+            "rng": rng_state(), **{name: obj.state_dict() for name, obj in stateful.items()}}
+
+
+def restore_trainer_state(state: dict, update_rng: torch.Generator, **stateful) -> tuple[int, int]:
+    """The inverse of trainer_state; returns (first step to run, skipped steps so far)."""
+    for name, obj in stateful.items():
+        obj.load_state_dict(state[name])
+    update_rng.set_state(state["update_rng"])
+    set_rng_state(state["rng"])
+    return state["step"] + 1, state["skipped_steps"]
+
+
+class StopRequest:
+    """SIGINT (Ctrl-C) and SIGTERM ask the loop to stop after the current step, save and exit cleanly;
+    a second signal stops at once. `requested(d)` agrees over all processes."""
+
+    def __init__(self):
+        self.flag = False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.flag:
+            raise KeyboardInterrupt
+        self.flag = True
+        print(f"\n{signal.Signals(signum).name}: stopping after this step (send it again to stop now)",
+              file=sys.stderr, flush=True)
+
+    def requested(self, d: Dist) -> bool:
+        return all_reduce_sum([float(self.flag)], d)[0] > 0
 
 
 class Timer(contextlib.ContextDecorator):

@@ -38,6 +38,8 @@ class Args:
     """the W&B project, with --track"""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """`auto`: CUDA when visible, else CPU"""
+    resume: str = ""
+    """continue a run: its folder (from its newest complete checkpoint) or one checkpoint-<step> folder"""
 
     # Model
     model: str = common.BUNDLED_MODEL
@@ -111,7 +113,9 @@ class Args:
     eval_every: int = 25
     """greedy evaluation on the held-out split every N steps (0: only at the end)"""
     save_every: int = 100
-    """save a Hugging Face checkpoint every N steps (0: only at the end)"""
+    """save a checkpoint (HF model + trainer state for --resume) every N steps (0: only at the end)"""
+    keep_checkpoints: int = 2
+    """keep only the newest N checkpoints (0: keep all)"""
     log_samples_every: int = 10
     """write sample completions every N steps"""
 
@@ -232,17 +236,21 @@ RewardFn = Callable[[common.Rollout, list], list]
 
 
 def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
+    checkpoint = None
+    if args.resume:  # the run's own configuration, its folder, and the state of its newest checkpoint
+        args, checkpoint = common.resume_args(args, Args(), args.resume)
     check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     d = common.setup_distributed(args.device)
     common.seed_everything(args.seed)
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = os.path.join(args.runs_dir, run_name)
-    logger = common.RunLogger(run_dir, args, d, args.track, args.wandb_project)
+    run_dir = str(checkpoint.parent) if checkpoint else os.path.join(args.runs_dir, run_name)
+    state = common.load_trainer_state(checkpoint) if checkpoint else None
+    logger = common.RunLogger(run_dir, args, d, args.track, args.wandb_project, state and state["step"])
 
     # Model, reference model (only when the KL term is on), optimizer
     model_path = common.resolve_model(args.model)
     tokenizer = common.load_tokenizer(model_path)
-    policy = common.load_model(model_path, d.device, args.gradient_checkpointing)
+    policy = common.load_model(str(checkpoint or model_path), d.device, args.gradient_checkpointing)
     ref_model = common.load_model(model_path, d.device, trainable=False) if args.beta > 0 else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
@@ -257,10 +265,14 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
     eval_tasks = test_tasks[:args.eval_size]
     sampler = common.PromptSampler(train_tasks, args.seed)
     update_rng = torch.Generator().manual_seed(args.seed)
-    skipped_steps, scalars = 0, {}
+    skipped_steps, scalars, start_step = 0, {}, 1
+    stateful = {"optimizer": optimizer, "scheduler": scheduler, "sampler": sampler}
+    if state:
+        start_step, skipped_steps = common.restore_trainer_state(state, update_rng, **stateful)
+    stop = common.StopRequest()  # Ctrl-C / SIGTERM: finish the step, save, exit
 
-    bar = common.ProgressBar(args.num_steps, d)
-    for step in range(1, args.num_steps + 1):
+    bar = common.ProgressBar(args.num_steps, d, initial=start_step - 1)
+    for step in range(start_step, args.num_steps + 1):
         step_start = time.perf_counter()
 
         # ---- Rollout: G completions for each prompt of this process's share --------------------------
@@ -335,8 +347,13 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
             logger.log_samples(step, [prompts[i // args.group_size] for i in range(n_seq)], rollout.texts,
                                rewards.tolist())
         bar.show(scalars)
-        if args.save_every and step % args.save_every == 0 or step == args.num_steps:
-            common.save_checkpoint(policy, tokenizer, run_dir, step, d)
+        stopping = stop.requested(d)
+        if args.save_every and step % args.save_every == 0 or step == args.num_steps or stopping:
+            common.save_checkpoint(policy, tokenizer, run_dir, step, d, keep=args.keep_checkpoints,
+                                   state=common.trainer_state(step, skipped_steps, update_rng, **stateful))
+        if stopping:
+            bar.write(f"stopped after step {step}; continue with: python grpo.py --resume {run_dir}")
+            break
 
     bar.close()
     logger.close()

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import ROOT
 
-SCRIPTS = ["grpo.py"]
+SCRIPTS = ["grpo.py", "dapo.py", "ppo.py"]
 
 
 def run(args, timeout=600, torchrun=False, threads="2"):
@@ -40,6 +40,13 @@ def test_help_documents_the_shared_flags(script):
     ("grpo.py", ["--num-minibatches", "3"], "--num-minibatches=3 is not allowed: a divisor of the sequences"),
     ("grpo.py", ["--dataset", "missing.jsonl"], "--dataset='missing.jsonl' is not allowed: the file does not exist"),
     ("grpo.py", ["--model", "/nonexistent/folder"], "--model='/nonexistent/folder' is not allowed"),
+    ("dapo.py", ["--group-size", "1"], "--group-size=1 is not allowed: >= 2"),
+    ("dapo.py", ["--clip-high", "0"], "--clip-high=0.0 is not allowed: > 0"),
+    ("dapo.py", ["--overlong-buffer", "300"], "--overlong-buffer=300 is not allowed: in [0, --max-new-tokens)"),
+    ("dapo.py", ["--max-generation-batches", "0"], "--max-generation-batches=0 is not allowed: a positive integer"),
+    ("ppo.py", ["--lam", "1.5"], "--lam=1.5 is not allowed: in [0, 1]"),
+    ("ppo.py", ["--critic-warmup-steps", "9", "--num-steps", "9"], "--critic-warmup-steps=9 is not allowed"),
+    ("ppo.py", ["--prompts-per-step", "3", "--num-minibatches", "2"], "--num-minibatches=2 is not allowed"),
 ])
 def test_bad_flags_exit_with_a_one_line_error(script, flags, message, tmp_path):
     result = run([script, *flags, "--runs-dir", str(tmp_path)], timeout=120)
@@ -77,3 +84,44 @@ def test_torchrun_two_cpu_processes(script, tiny_model_dir, tmp_path):
     run_dir, rows = metrics(tmp_path)  # rank 0 alone writes
     assert len(rows) == 2 and rows[-1]["charts/response_length"] > 0
     assert os.path.exists(os.path.join(run_dir, "checkpoint-2", "config.json"))
+
+
+@pytest.mark.parametrize("dynamic_sampling", ["--dynamic-sampling", "--no-dynamic-sampling"])
+def test_dapo_runs_with_the_bundled_model(dynamic_sampling, tmp_path):
+    result = run(["dapo.py", "--num-steps", "2", "--prompts-per-step", "2", "--group-size", "2",
+                  "--max-new-tokens", "24", "--eval-size", "2", "--runs-dir", str(tmp_path), "--learning-rate", "1e-5",
+                  dynamic_sampling, "--max-generation-batches", "2", "--overlong-buffer", "8"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir, rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        if dynamic_sampling == "--no-dynamic-sampling":
+            assert r["charts/generation_batches"] == 1 and r["charts/dropped_fraction"] == 0
+        else:  # a second batch only after an uninformative group; a shortfall is announced
+            batches = r["charts/generation_batches"]
+            assert (batches == 1 and r["charts/zero_std_fraction"] == 0) or (batches == 2 and r["charts/zero_std_fraction"] > 0)
+            trained_groups = round((1 - r["charts/dropped_fraction"]) * 2 * batches)
+            if trained_groups < 2:
+                assert "dynamic sampling stopped at --max-generation-batches=2" in result.stdout + result.stderr
+    for r in rows:
+        # nothing to train on only when every group was dropped; DAPO has no KL term by default
+        assert ("losses/kl_ref" in r) == (r["charts/dropped_fraction"] < 1)
+        assert r.get("losses/kl_ref", 0.0) == 0.0
+        if r["charts/truncated_fraction"] == 1 and r["charts/format_rate"] == 0:
+            assert r["charts/reward"] == -1.0  # soft overlong punishment at max_new_tokens: -overlong_penalty
+    assert os.path.exists(os.path.join(run_dir, "checkpoint-2", "config.json"))
+
+
+def test_ppo_runs_with_the_bundled_model(tmp_path):
+    result = run(["ppo.py", "--num-steps", "2", "--prompts-per-step", "2", "--max-new-tokens", "16",
+                  "--eval-size", "2", "--runs-dir", str(tmp_path), "--learning-rate", "1e-5"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir, rows = metrics(tmp_path)
+    for key in ["losses/value_loss", "losses/value_clipfrac", "charts/explained_variance", "charts/value_mean",
+                "charts/return_mean", "losses/policy_loss", "losses/entropy", "charts/eval_accuracy"]:
+        assert key in rows[-1], key
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    ckpt = os.path.join(run_dir, "checkpoint-2")
+    assert AutoModelForCausalLM.from_pretrained(ckpt).config.num_hidden_layers == 30
+    assert AutoModelForTokenClassification.from_pretrained(os.path.join(ckpt, "critic")).config.num_labels == 1

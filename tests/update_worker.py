@@ -24,6 +24,8 @@ def main():
     overrides = dict(kv.split("=", 1) for kv in sys.argv[4:])
     args = algo.Args(model=model_dir, beta=0.05, learning_rate=1.0, group_size=4, prompts_per_step=2,
                      max_grad_norm=1e9)  # no clipping: it would hide a wrongly scaled gradient
+    if algo_name == "ppo":
+        args.critic_learning_rate, args.lam, args.clip_value = 1.0, 0.95, 0.05
     for k, v in overrides.items():
         setattr(args, k, type(getattr(args, k))(v))
     d = common.setup_distributed("cpu")
@@ -37,21 +39,37 @@ def main():
 
     full = synthetic_rollout(batch_size=8)
     rewards = torch.tensor([0.0, 1.0, 0.1, 0.1, 1.0, 1.0, 0.0, 0.1])
-    advantages = algo.group_advantages(rewards, args.group_size)
+    advantages = algo.group_advantages(rewards, args.group_size) if hasattr(algo, "group_advantages") else None
     ref_logprobs_full = common.batched_logprobs(ref_model, full, 8)[0]
     old_logprobs_full = common.batched_logprobs(policy, full, 8)[0] + 0.05 * torch.randn(
         full.completion_ids.shape, generator=torch.Generator().manual_seed(1))
 
     share = len(rewards) // d.world_size
     s = slice(d.rank * share, (d.rank + 1) * share)
-    mine = common.Rollout(full.prompt_ids[s], full.prompt_mask[s], full.completion_ids[s],
-                          full.completion_mask[s], full.texts[s], full.finish_reasons[s])
-    if d.enabled:
-        policy = DDP(policy)
-    algo.update_policy(policy, optimizer, mine, advantages[s], old_logprobs_full[s], ref_logprobs_full[s],
-                       args, torch.Generator().manual_seed(0), d)
+    mine = full.select(list(range(len(rewards)))[s])
+    trained = [policy]
+    if algo_name == "ppo":
+        # per-token rewards (eq. 8), GAE, and whitening over both processes' shares together
+        critic = common.load_value_model(model_dir, d.device)
+        critic_optimizer = torch.optim.SGD(critic.parameters(), lr=args.critic_learning_rate)
+        old_values = common.batched_values(critic, full, 8) + 0.1 * torch.randn(
+            full.completion_ids.shape, generator=torch.Generator().manual_seed(2))
+        mask = full.completion_mask.float()
+        token_reward = algo.token_rewards(rewards, old_logprobs_full, ref_logprobs_full, mask, args.beta)
+        advantages, returns = algo.gae_advantages(token_reward, old_values, mask, args.gamma, args.lam)
+        advantages = algo.whiten(advantages[s], mask[s], d)
+        if d.enabled:
+            policy, critic = DDP(policy), DDP(critic)
+        algo.update_policy(policy, critic, optimizer, critic_optimizer, mine, advantages, returns[s],
+                           old_logprobs_full[s], old_values[s], args, torch.Generator().manual_seed(0), d)
+        trained.append(critic)
+    else:
+        if d.enabled:
+            policy = DDP(policy)
+        algo.update_policy(policy, optimizer, mine, advantages[s], old_logprobs_full[s], ref_logprobs_full[s],
+                           args, torch.Generator().manual_seed(0), d)
     if d.is_main:
-        torch.save(torch.cat([p.detach().flatten() for p in common.unwrap(policy).parameters()]), out)
+        torch.save(torch.cat([p.detach().flatten() for m in trained for p in common.unwrap(m).parameters()]), out)
     common.cleanup_distributed()
 
 

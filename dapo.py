@@ -1,0 +1,479 @@
+"""DAPO on the Countdown game: paper section 2.3, equation 12 (objective), 10 (advantage).
+
+DAPO is GRPO (grpo.py) with four changes: clip-higher (clip_low < clip_high), token-level loss
+aggregation over the whole batch, dynamic sampling (drop groups whose rewards are all equal and sample
+more), and overlong reward shaping; no KL term by default. `diff grpo.py dapo.py` shows exactly those.
+
+    python dapo.py                                             # bundled SmolLM2-135M, CPU, offline
+    python dapo.py --model Qwen/Qwen2.5-1.5B-Instruct --no-dynamic-sampling   # the paper's best, GPU
+    torchrun --nproc_per_node=N dapo.py ...                    # data-parallel on N processes
+
+Read top to bottom: Args, the algorithm's functions (imported by tests), then the loop, cut into
+rollout, reward, advantages, log-probs, update and logging. README.md maps every equation to its lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Literal, NamedTuple
+
+import torch
+import tyro
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import common
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = "dapo"
+    """name of this experiment; the run folder is `<runs_dir>/<exp_name>__<seed>__<unix time>`"""
+    seed: int = 1
+    """seed of the data order, sampling and initialisation"""
+    runs_dir: str = "runs"
+    """where run folders (TensorBoard, metrics.jsonl, samples, checkpoints) are written"""
+    track: bool = False
+    """also log to Weights & Biases (needs `pip install wandb`)"""
+    wandb_project: str = "rl-countdown"
+    """the W&B project, with --track"""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """`auto`: CUDA when visible, else CPU"""
+    resume: str = ""
+    """continue a run: its folder (from its newest complete checkpoint) or one checkpoint-<step> folder"""
+
+    # Model
+    model: str = common.BUNDLED_MODEL
+    """`bundled` (SmolLM2-135M-Instruct, offline), a local HF folder, or a hub id (Qwen/Qwen2.5-1.5B-Instruct)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, slower updates"""
+
+    # Data
+    dataset: str = "generated"
+    """`generated` (offline, solvable tasks), a .jsonl/.parquet file with nums and target, or a hub id (Jiayi-Pan/Countdown-Tasks-3to4)"""
+    test_size: int = 1024
+    """held-out tasks never trained on (the last rows of a file or hub dataset)"""
+    eval_size: int = 128
+    """how many of the held-out tasks each greedy evaluation uses"""
+    task_min_numbers: int = 3
+    """generated tasks: fewest numbers per task"""
+    task_max_numbers: int = 4
+    """generated tasks: most numbers per task"""
+    task_max_value: int = 99
+    """generated tasks: numbers are drawn from 1..task_max_value"""
+    task_operators: str = "+-*/"
+    """generated tasks: operators the hidden solution may use (`+-` makes an easy task for small models)"""
+    prompt_template: Literal["auto", "chat", "base"] = "auto"
+    """`auto`: the tokenizer's chat template when it has one, else TinyZero's plain base-model template"""
+
+    # Generation
+    backend: str = "hf"
+    """generation backend: `hf` (transformers generate)"""
+    max_new_tokens: int = 256
+    """longest completion; longer ones are cut and marked truncated"""
+    temperature: float = 1.0
+    """sampling temperature (log-probs are taken at the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling; 1.0 samples from the whole distribution"""
+
+    # Reward (countdown_reward.py; paper 3.7: a larger format weight counters reward hacking)
+    format_score: float = 0.1
+    """reward of a well-formed answer that is wrong"""
+    answer_score: float = 1.0
+    """reward of a correct answer"""
+
+    # Algorithm
+    num_steps: int = 200
+    """training steps (one generation batch each)"""
+    prompts_per_step: int = 8
+    """prompts per step over all processes"""
+    group_size: int = 8
+    """G: completions sampled per prompt (eq. 9-10); the paper compares 2, 4 and 8"""
+    learning_rate: float = 1e-6
+    """AdamW learning rate (paper: 1e-6 for the 1.5B model)"""
+    warmup_steps: int = 0
+    """linear learning-rate warm-up, in training steps"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    clip_low: float = 0.2
+    """epsilon_low of the clipped ratio (eq. 12): the ratio is kept above 1 - clip_low"""
+    clip_high: float = 0.28
+    """epsilon_high of the clipped ratio (eq. 12, clip-higher): the ratio is kept below 1 + clip_high"""
+    beta: float = 0.0
+    """KL coefficient; DAPO drops the KL term (0 skips the reference model). > 0 adds eq. 11's k3 penalty"""
+    adv_eps: float = 1e-6
+    """epsilon in the advantage's denominator (eq. 10)"""
+    update_epochs: int = 1
+    """passes over each generation batch"""
+    num_minibatches: int = 1
+    """optimizer steps per pass; with 1 epoch and 1 minibatch the update is on-policy (ratio 1)"""
+    micro_batch_size: int = 8
+    """sequences per forward/backward (gradient accumulation); lower it when out of memory"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+
+    # DAPO's techniques (clip-higher is clip_high above)
+    dynamic_sampling: bool = True
+    """drop groups whose rewards are all equal and generate more prompts until the step is full (paper's best: off)"""
+    max_generation_batches: int = 4
+    """dynamic sampling: most generation batches per step; then train on the informative groups there are"""
+    ent_coef: float = 0.0
+    """entropy bonus (eq. 3's c2 * H): the paper's cheaper alternative to dynamic sampling for exploration"""
+    overlong_buffer: int = 0
+    """soft overlong punishment: the last N tokens before max_new_tokens cost up to overlong_penalty (0: off)"""
+    overlong_penalty: float = 1.0
+    """soft overlong punishment: the reward lost by a completion of max_new_tokens tokens"""
+    mask_truncated: bool = False
+    """overlong filtering: completions cut at max_new_tokens get no gradient (left out of the loss)"""
+
+    # Logging
+    eval_every: int = 25
+    """greedy evaluation on the held-out split every N steps (0: only at the end)"""
+    save_every: int = 100
+    """save a checkpoint (HF model + trainer state for --resume) every N steps (0: only at the end)"""
+    keep_checkpoints: int = 2
+    """keep only the newest N checkpoints (0: keep all)"""
+    log_samples_every: int = 10
+    """write sample completions every N steps"""
+
+
+# ----------------------------------------------------------------------------------------------------
+# DAPO's mathematics
+# ----------------------------------------------------------------------------------------------------
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """Eq. 10: A_i = (r_i - mean(r)) / (std(r) + eps) within each group of `group_size` contiguous rewards.
+
+    std is the population standard deviation (divide by G), as in concepts.txt's worked example; a
+    group whose rewards are all equal gets advantage 0 (numerator 0), never NaN.
+    """
+    grouped = rewards.view(-1, group_size)
+    mean = grouped.mean(dim=1, keepdim=True)
+    std = grouped.std(dim=1, keepdim=True, unbiased=False)
+    return ((grouped - mean) / (std + eps)).view(-1)
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Eq. 11, per token: pi_ref/pi - log(pi_ref/pi) - 1 >= 0 (Schulman's k3 estimator)."""
+    log_ratio = ref_logprobs - logprobs
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: float | None = None) -> torch.Tensor:
+    """Token-level aggregation of eq. 12: the sum over every valid token divided by the number of tokens
+    (1 / sum_i |o_i|), so a long sequence weighs more than a short one. `num_tokens` is the count of the
+    whole batch when this is one micro-batch or one process's share of it; default: this mask's count."""
+    if num_tokens is None:
+        num_tokens = mask.sum().clamp(min=1)
+    return (values * mask).sum() / num_tokens
+
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low: float, clip_high: float,
+                num_tokens: float | None = None):
+    """Minus eq. 12's clipped surrogate with clip-higher, token-level aggregation.
+
+    logprobs, old_logprobs, mask: (B, T); advantages: (B,), one per sequence, shared by its tokens.
+    """
+    mask = mask.to(logprobs.dtype)
+    ratio = torch.exp(logprobs - old_logprobs)
+    adv = advantages.unsqueeze(-1)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * adv
+    surrogate = torch.min(unclipped, clipped)
+    loss = -token_mean(surrogate, mask, num_tokens)
+    with torch.no_grad():
+        log_ratio = logprobs - old_logprobs
+        stats = {
+            "surrogate": token_mean(surrogate, mask, num_tokens).item(),
+            "clipfrac": token_mean((clipped < unclipped).to(mask.dtype), mask, num_tokens).item(),
+            "approx_kl": token_mean(torch.exp(log_ratio) - 1 - log_ratio, mask, num_tokens).item(),  # k3 to old
+            "ratio": token_mean(ratio, mask, num_tokens).item(),
+        }
+    return loss, stats
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment: 0 up to max_new_tokens - buffer tokens, then falling linearly to
+    -penalty at max_new_tokens (longer completions cannot be generated)."""
+    return -penalty * ((lengths - (max_new_tokens - buffer)).clamp(min=0) / buffer).clamp(max=1.0)
+
+
+def dynamic_sampling(sample_batch: Callable[[], torch.Tensor], num_groups: int, group_size: int,
+                     max_generation_batches: int, d: common.Dist) -> list[tuple[int, int, bool]]:
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal (their eq. 10 advantages are 0)
+    and call sample_batch() (fresh prompts; returns their rewards) until every process has num_groups
+    informative groups, or max_generation_batches batches were generated.
+
+    Returns num_groups (generation batch, group, in_loss) triples: the informative groups, then, if
+    the limit was hit, uninformative ones with in_loss False that only keep the batch shape the same on
+    every process (they are masked out of the loss).
+    """
+    informative, uninformative = [], []
+    for batch in range(max_generation_batches):
+        rewards = sample_batch().view(-1, group_size)
+        for group, all_equal in enumerate((rewards == rewards[:, :1]).all(1).tolist()):
+            (uninformative if all_equal else informative).append((batch, group))
+        missing = common.all_reduce_sum([max(0, num_groups - len(informative))], d)[0]
+        if missing == 0:
+            break
+    kept = [(b, g, True) for b, g in informative[:num_groups]]
+    return kept + [(b, g, False) for b, g in uninformative[:num_groups - len(kept)]]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Update: update_epochs passes of num_minibatches optimizer steps, each accumulated over micro-batches
+# ----------------------------------------------------------------------------------------------------
+def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_logprobs, ref_logprobs,
+                  args: Args, generator: torch.Generator, d: common.Dist, loss_mask=None) -> dict:
+    """Minimise -eq. 12 (clipped surrogate, token-level; - beta * k3 KL, - ent_coef * entropy) over the
+    rollout; mean stats. `loss_mask` (default: the completion mask) leaves tokens out of the loss.
+
+    Eq. 12 divides by the number of tokens of the whole minibatch, over all processes. Every micro-batch
+    divides its token sum by that global count (times the number of processes, which DDP's gradient
+    average divides out), so the update does not depend on how the batch is split.
+    """
+    mask = (rollout.completion_mask if loss_mask is None else loss_mask).to(torch.float32)
+    batch_size = len(advantages)
+    stats_sum: dict[str, float] = {}
+    skipped = 0
+    policy.train()
+    for _ in range(args.update_epochs):
+        for minibatch in torch.randperm(batch_size, generator=generator).chunk(args.num_minibatches):
+            num_tokens = common.all_reduce_sum([mask[minibatch].sum().item()], d)[0] / d.world_size
+            if num_tokens == 0:  # every token masked out (dynamic sampling found nothing, or all truncated)
+                continue
+            optimizer.zero_grad(set_to_none=True)
+            micro_batches = minibatch.split(args.micro_batch_size)
+            for i, idx in enumerate(micro_batches):
+                last = i == len(micro_batches) - 1
+                with policy.no_sync() if d.enabled and not last else contextlib.nullcontext():
+                    logprobs, entropy = common.completion_logprobs(
+                        policy, rollout.prompt_ids[idx], rollout.prompt_mask[idx], rollout.completion_ids[idx],
+                        rollout.completion_mask[idx], args.temperature, with_entropy=True)
+                    old = logprobs.detach() if old_logprobs is None else old_logprobs[idx]
+                    pg_loss, stats = policy_loss(logprobs, old, advantages[idx], mask[idx], args.clip_low,
+                                                 args.clip_high, num_tokens)
+                    if ref_logprobs is not None:
+                        kl = token_mean(kl_k3(logprobs, ref_logprobs[idx]), mask[idx], num_tokens)
+                    else:
+                        kl = torch.zeros((), device=logprobs.device)
+                    entropy_bonus = token_mean(entropy, mask[idx], num_tokens)  # eq. 3's S term
+                    loss = pg_loss + args.beta * kl - args.ent_coef * entropy_bonus
+                    loss.backward()
+                stats.update(policy_loss=pg_loss.item(), kl_ref=kl.item(), entropy=entropy_bonus.item())
+                for k, v in stats.items():
+                    stats_sum[k] = stats_sum.get(k, 0.0) + v / (args.num_minibatches * args.update_epochs)
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            if torch.isfinite(grad_norm):
+                optimizer.step()
+            else:  # a NaN/inf gradient never reaches the weights
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+            stats_sum["grad_norm"] = stats_sum.get("grad_norm", 0.0) + grad_norm.item() / (
+                args.num_minibatches * args.update_epochs)
+    policy.eval()
+    stats_sum["skipped_updates"] = skipped
+    return stats_sum
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------------
+def check_args(args: Args, world_size: int) -> None:
+    common.check_common_args(args, world_size)
+    common.require(args.group_size >= 2, "group_size", args.group_size, ">= 2 (eq. 10 compares completions)")
+    common.require(0 < args.clip_low < 1, "clip_low", args.clip_low, "in (0, 1)")
+    common.require(args.clip_high > 0, "clip_high", args.clip_high, "> 0 (DAPO: 0.28)")
+    common.require(args.max_generation_batches >= 1, "max_generation_batches", args.max_generation_batches,
+                   "a positive integer")
+    common.require(args.ent_coef >= 0, "ent_coef", args.ent_coef, ">= 0")
+    common.require(0 <= args.overlong_buffer < args.max_new_tokens, "overlong_buffer", args.overlong_buffer,
+                   f"in [0, --max-new-tokens) = [0, {args.max_new_tokens})")
+    common.require(args.overlong_penalty >= 0, "overlong_penalty", args.overlong_penalty, ">= 0")
+    common.require(args.adv_eps > 0, "adv_eps", args.adv_eps, "> 0")
+
+
+class GenerationBatch(NamedTuple):
+    """One call of the generation backend and its rewards (dynamic sampling may make several per step)."""
+    prompts: list[str]
+    rollout: common.Rollout
+    rewards: torch.Tensor
+    correct: list[float]
+    well_formed: list[float]
+    seconds: float
+
+
+RewardFn = Callable[[common.Rollout, list], list]
+"""(rollout, tasks aligned with its rows) -> one float per completion; the default scores Countdown."""
+
+
+def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
+    checkpoint = None
+    if args.resume:  # the run's own configuration, its folder, and the state of its newest checkpoint
+        args, checkpoint = common.resume_args(args, Args(), args.resume)
+    check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    d = common.setup_distributed(args.device)
+    common.seed_everything(args.seed)
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = str(checkpoint.parent) if checkpoint else os.path.join(args.runs_dir, run_name)
+    state = common.load_trainer_state(checkpoint) if checkpoint else None
+    logger = common.RunLogger(run_dir, args, d, args.track, args.wandb_project, state and state["step"])
+
+    # Model, reference model (only when the KL term is on), optimizer
+    model_path = common.resolve_model(args.model)
+    tokenizer = common.load_tokenizer(model_path)
+    policy = common.load_model(str(checkpoint or model_path), d.device, args.gradient_checkpointing)
+    ref_model = common.load_model(model_path, d.device, trainable=False) if args.beta > 0 else None
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
+    backend = common.make_backend(args.backend, policy, tokenizer, args)
+    if d.enabled:
+        policy = DDP(policy)
+
+    # Data: each process takes its share of prompts_per_step; groups of G contiguous completions
+    train_tasks, test_tasks = common.load_countdown(
+        args.dataset, args.test_size, args.seed, min_numbers=args.task_min_numbers,
+        max_numbers=args.task_max_numbers, max_value=args.task_max_value, operators=args.task_operators)
+    eval_tasks = test_tasks[:args.eval_size]
+    sampler = common.PromptSampler(train_tasks, args.seed)
+    update_rng = torch.Generator().manual_seed(args.seed)
+    skipped_steps, scalars, start_step = 0, {}, 1
+    stateful = {"optimizer": optimizer, "scheduler": scheduler, "sampler": sampler}
+    if state:
+        start_step, skipped_steps = common.restore_trainer_state(state, update_rng, **stateful)
+    stop = common.StopRequest()  # Ctrl-C / SIGTERM: finish the step, save, exit
+
+    bar = common.ProgressBar(args.num_steps, d, initial=start_step - 1)
+    local_prompts = args.prompts_per_step // d.world_size
+    for step in range(start_step, args.num_steps + 1):
+        step_start = time.perf_counter()
+        batches: list[GenerationBatch] = []  # every generation batch of this step
+
+        def sample_batch() -> torch.Tensor:
+            batch_start = time.perf_counter()
+            # ---- Rollout: G completions for each prompt of this process's share ----------------------
+            tasks = sampler.next_batch(args.prompts_per_step, d)
+            prompts = [common.make_prompt(tokenizer, t, args.prompt_template) for t in tasks]
+            seed = args.seed * 1_000_003 + (step * args.max_generation_batches + len(batches)) * 1_009 + d.rank
+            rollout = backend.generate(prompts, args.group_size, args.max_new_tokens, args.temperature,
+                                       args.top_p, seed=seed)
+            group_tasks = [t for t in tasks for _ in range(args.group_size)]
+
+            # ---- Reward, with the soft overlong punishment ------------------------------------------
+            if reward_fn is None:
+                rewards, correct, well_formed = common.countdown_rewards(
+                    rollout.texts, group_tasks, args.format_score, args.answer_score)
+            else:
+                rewards = reward_fn(rollout, group_tasks)
+                correct = well_formed = [0.0] * len(rewards)
+            rewards = torch.tensor(rewards, dtype=torch.float32, device=d.device)
+            if args.overlong_buffer > 0:
+                rewards += overlong_penalty(rollout.completion_lengths.to(rewards), args.max_new_tokens,
+                                            args.overlong_buffer, args.overlong_penalty)
+            batches.append(GenerationBatch(prompts, rollout, rewards, correct, well_formed,
+                                           time.perf_counter() - batch_start))
+            return rewards
+
+        # ---- Dynamic sampling: only groups whose rewards differ, more prompts until the step is full ----
+        with common.Timer() as generation_time:
+            if args.dynamic_sampling:
+                groups = dynamic_sampling(sample_batch, local_prompts, args.group_size,
+                                          args.max_generation_batches, d)
+            else:
+                sample_batch()
+                groups = [(0, g, True) for g in range(local_prompts)]
+        G = args.group_size
+        rollout = common.concat_rollouts(
+            [batches[b].rollout.select(list(range(g * G, (g + 1) * G))) for b, g, _ in groups],
+            tokenizer.pad_token_id)
+        rewards = torch.cat([batches[b].rewards[g * G:(g + 1) * G] for b, g, _ in groups])
+        kept = torch.tensor([keep for _, _, keep in groups for _ in range(G)], device=d.device)
+        in_loss = kept.clone()
+        if args.mask_truncated:  # overlong filtering
+            in_loss &= torch.tensor([r == "stop" for r in rollout.finish_reasons], device=d.device)
+        loss_mask = rollout.completion_mask * in_loss.unsqueeze(-1)
+
+        # ---- Advantages (eq. 10) -----------------------------------------------------------------
+        advantages = group_advantages(rewards, args.group_size, args.adv_eps)
+
+        with common.Timer() as update_time:
+            # ---- Old and reference log-probs -----------------------------------------------------
+            # One epoch of one minibatch is on-policy: pi_old is the policy itself, so its log-probs are
+            # the detached current ones and need no extra forward pass.
+            on_policy = args.update_epochs == 1 and args.num_minibatches == 1
+            old_logprobs = None if on_policy else common.batched_logprobs(
+                policy, rollout, args.micro_batch_size, args.temperature)[0]
+            ref_logprobs = common.batched_logprobs(
+                ref_model, rollout, args.micro_batch_size, args.temperature)[0] if args.beta > 0 else None
+
+            # ---- Update (eq. 12) -----------------------------------------------------------------
+            stats = update_policy(policy, optimizer, rollout, advantages, old_logprobs, ref_logprobs, args,
+                                  update_rng, d, loss_mask)
+            scheduler.step()
+        skipped_steps += stats.pop("skipped_updates")
+
+        # ---- Logging: rewards and lengths of everything generated, advantages of what was trained on ----
+        step_time = time.perf_counter() - step_start
+        generated = torch.cat([b.rewards for b in batches])
+        n_seq, n_tokens = len(generated), sum(b.rollout.completion_lengths.sum().item() for b in batches)
+        zero_std_groups = sum((b.rewards.view(-1, G).std(1) == 0).sum().item() for b in batches)
+        trained = advantages[kept]
+        sums = common.all_reduce_sum(
+            [generated.sum().item(), sum(sum(b.correct) for b in batches), sum(sum(b.well_formed) for b in batches),
+             n_tokens, n_seq, zero_std_groups, sum(r == "length" for b in batches for r in b.rollout.finish_reasons),
+             trained.sum().item(), trained.pow(2).sum().item(), len(trained),
+             sum(b.seconds for b in batches[1:])] + [stats[k] for k in sorted(stats)], d)
+        total_seq, total_tokens = sums[4], sums[3]
+        adv_mean = sums[7] / max(sums[9], 1)
+        scalars = {
+            "charts/reward": sums[0] / total_seq,
+            "charts/accuracy": sums[1] / total_seq,
+            "charts/format_rate": sums[2] / total_seq,
+            "charts/response_length": total_tokens / total_seq,
+            "charts/truncated_fraction": sums[6] / total_seq,
+            "charts/zero_std_fraction": sums[5] / (total_seq / G),
+            "charts/generation_batches": len(batches),
+            "charts/dropped_fraction": 1 - sums[9] / total_seq,  # generated groups not trained on
+            "charts/advantage_mean": adv_mean,
+            "charts/advantage_std": max(sums[8] / max(sums[9], 1) - adv_mean**2, 0.0) ** 0.5,
+            "charts/learning_rate": scheduler.get_last_lr()[0],
+            "charts/tokens_per_second": total_tokens / step_time,
+            "charts/skipped_steps": skipped_steps,
+            "time/generation": generation_time.seconds,
+            "time/regeneration": sums[10] / d.world_size,  # generation batches after the first
+            "time/update": update_time.seconds,
+            "time/step": step_time,
+        }
+        if sums[9] < args.prompts_per_step * G:
+            bar.write(f"step {step}: dynamic sampling stopped at --max-generation-batches="
+                      f"{args.max_generation_batches}; training on {int(sums[9]) // G} informative groups, not "
+                      f"{args.prompts_per_step}")
+        for k, v in zip(sorted(stats), sums[11:]):
+            scalars[("losses/" if k != "ratio" else "charts/") + k] = v / d.world_size
+        if args.eval_every and step % args.eval_every == 0 or step == args.num_steps:
+            scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, d,
+                                           args.prompt_template))
+        logger.log(step, scalars)
+        if step % args.log_samples_every == 0 or step == 1:
+            first = batches[0]
+            logger.log_samples(step, [first.prompts[i // G] for i in range(len(first.rewards))], first.rollout.texts,
+                               first.rewards.tolist())
+        bar.show(scalars)
+        stopping = stop.requested(d)
+        if args.save_every and step % args.save_every == 0 or step == args.num_steps or stopping:
+            common.save_checkpoint(policy, tokenizer, run_dir, step, d, keep=args.keep_checkpoints,
+                                   state=common.trainer_state(step, skipped_steps, update_rng, **stateful))
+        if stopping:
+            bar.write(f"stopped after step {step}; continue with: python dapo.py --resume {run_dir}")
+            break
+
+    bar.close()
+    logger.close()
+    common.cleanup_distributed()
+    return {"run_dir": run_dir, **scalars}
+
+
+if __name__ == "__main__":
+    common.exit_on_config_error(lambda: train(tyro.cli(Args)))

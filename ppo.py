@@ -1,0 +1,454 @@
+"""PPO on the Countdown game: paper section 2.1 and appendix C, equations 3-5 (loss, entropy), 7 (clipped
+objective), 8 (KL penalty in the reward), 21-22 (GAE) and 26 (clipped value loss).
+
+An actor and a learned critic (the same base model with a scalar head on every token). The Countdown
+score is the reward of the last token, every token pays -beta * log(pi/pi_ref), GAE turns rewards and
+values into per-token advantages, and the loss is token-level as in the paper's Table 1.
+
+    python ppo.py                                              # bundled SmolLM2-135M, CPU, offline
+    python ppo.py --model Qwen/Qwen2.5-1.5B-Instruct ...       # the paper's model, GPU
+    torchrun --nproc_per_node=N ppo.py ...                     # data-parallel on N processes
+
+Read top to bottom: Args, the algorithm's functions (imported by tests), then the loop, cut into
+rollout, reward, advantages, log-probs, update and logging. README.md maps every equation to its lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import torch
+import tyro
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import common
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = "ppo"
+    """name of this experiment; the run folder is `<runs_dir>/<exp_name>__<seed>__<unix time>`"""
+    seed: int = 1
+    """seed of the data order, sampling and initialisation"""
+    runs_dir: str = "runs"
+    """where run folders (TensorBoard, metrics.jsonl, samples, checkpoints) are written"""
+    track: bool = False
+    """also log to Weights & Biases (needs `pip install wandb`)"""
+    wandb_project: str = "rl-countdown"
+    """the W&B project, with --track"""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """`auto`: CUDA when visible, else CPU"""
+    resume: str = ""
+    """continue a run: its folder (from its newest complete checkpoint) or one checkpoint-<step> folder"""
+
+    # Model
+    model: str = common.BUNDLED_MODEL
+    """`bundled` (SmolLM2-135M-Instruct, offline), a local HF folder, or a hub id (Qwen/Qwen2.5-1.5B-Instruct)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, slower updates"""
+
+    # Data
+    dataset: str = "generated"
+    """`generated` (offline, solvable tasks), a .jsonl/.parquet file with nums and target, or a hub id (Jiayi-Pan/Countdown-Tasks-3to4)"""
+    test_size: int = 1024
+    """held-out tasks never trained on (the last rows of a file or hub dataset)"""
+    eval_size: int = 128
+    """how many of the held-out tasks each greedy evaluation uses"""
+    task_min_numbers: int = 3
+    """generated tasks: fewest numbers per task"""
+    task_max_numbers: int = 4
+    """generated tasks: most numbers per task"""
+    task_max_value: int = 99
+    """generated tasks: numbers are drawn from 1..task_max_value"""
+    task_operators: str = "+-*/"
+    """generated tasks: operators the hidden solution may use (`+-` makes an easy task for small models)"""
+    prompt_template: Literal["auto", "chat", "base"] = "auto"
+    """`auto`: the tokenizer's chat template when it has one, else TinyZero's plain base-model template"""
+
+    # Generation
+    backend: str = "hf"
+    """generation backend: `hf` (transformers generate)"""
+    max_new_tokens: int = 256
+    """longest completion; longer ones are cut and marked truncated"""
+    temperature: float = 1.0
+    """sampling temperature (log-probs are taken at the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling; 1.0 samples from the whole distribution"""
+
+    # Reward (countdown_reward.py; paper 3.7: a larger format weight counters reward hacking)
+    format_score: float = 0.1
+    """reward of a well-formed answer that is wrong"""
+    answer_score: float = 1.0
+    """reward of a correct answer"""
+
+    # Algorithm
+    num_steps: int = 200
+    """training steps (one generation batch each)"""
+    prompts_per_step: int = 64
+    """prompts per step over all processes (64 x 1 = GRPO's default 8 x 8 completions per step)"""
+    group_size: int = 1
+    """completions sampled per prompt; PPO needs no group (the critic is the baseline)"""
+    learning_rate: float = 1e-6
+    """actor AdamW learning rate (paper 3.2: 1e-6 is stable, larger learns faster and fluctuates)"""
+    critic_learning_rate: float = 1e-5
+    """critic AdamW learning rate"""
+    critic_warmup_steps: int = 0
+    """first steps in which only the critic learns (the actor waits for useful values)"""
+    warmup_steps: int = 0
+    """linear learning-rate warm-up, in training steps"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    clip_eps: float = 0.2
+    """epsilon of the clipped ratio (eq. 7)"""
+    beta: float = 0.001
+    """KL coefficient of the per-token penalty in the reward (eq. 8; verl's default). 0 skips the reference model"""
+    gamma: float = 1.0
+    """discount factor of GAE (eq. 21-22)"""
+    lam: float = 1.0
+    """GAE lambda (eq. 21): 1 gives Monte Carlo returns minus values, 0 the one-step TD error"""
+    whiten_advantages: bool = True
+    """normalise advantages to mean 0, std 1 over the batch (all processes), as verl and TRL do"""
+    clip_value: float = 0.2
+    """epsilon of the clipped value loss (eq. 26)"""
+    vf_coef: float = 0.5
+    """c1 of eq. 3 (value-loss weight); the critic has its own optimizer, so it mostly scales its gradient"""
+    ent_coef: float = 0.0
+    """c2 of eq. 3 (entropy bonus, eq. 4-5); paper 3.1: a bonus explores more but lowered accuracy"""
+    update_epochs: int = 1
+    """passes over each generation batch"""
+    num_minibatches: int = 1
+    """optimizer steps per pass; with 1 epoch and 1 minibatch the update is on-policy (ratio 1)"""
+    micro_batch_size: int = 8
+    """sequences per forward/backward (gradient accumulation); lower it when out of memory"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm (actor and critic separately)"""
+
+    # Logging
+    eval_every: int = 25
+    """greedy evaluation on the held-out split every N steps (0: only at the end)"""
+    save_every: int = 100
+    """save a checkpoint (HF model + trainer state for --resume) every N steps (0: only at the end)"""
+    keep_checkpoints: int = 2
+    """keep only the newest N checkpoints (0: keep all)"""
+    log_samples_every: int = 10
+    """write sample completions every N steps"""
+
+
+# ----------------------------------------------------------------------------------------------------
+# PPO's mathematics
+# ----------------------------------------------------------------------------------------------------
+def token_rewards(scores: torch.Tensor, logprobs, ref_logprobs, mask, beta: float) -> torch.Tensor:
+    """Eq. 8 per token: r_t = -beta * log(pi(o_t) / pi_ref(o_t)), plus the Countdown score on the last
+    valid token of each completion. scores: (B,); logprobs, ref_logprobs, mask: (B, T)."""
+    rewards = -beta * (logprobs - ref_logprobs) * mask
+    last = (mask.sum(-1).long() - 1).clamp(min=0)
+    return rewards.scatter_add(-1, last.unsqueeze(-1), scores.unsqueeze(-1).to(rewards.dtype))
+
+
+def gae_advantages(rewards, values, mask, gamma: float, lam: float):
+    """Eq. 21-22: A_t = sum_l (gamma lam)^l delta_{t+l}, delta_t = r_t + gamma V_{t+1} - V_t, over each
+    completion's tokens; the value after the last valid token is 0 (the episode ends). Returns
+    (advantages, returns = advantages + values), both (B, T) and 0 on padding."""
+    mask = mask.to(values.dtype)
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros_like(values[:, 0])
+    running = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = (delta + gamma * lam * running) * mask[:, t]
+        advantages[:, t] = running
+        next_value = values[:, t] * mask[:, t]
+    return advantages, (advantages + values) * mask
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, d: common.Dist, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the valid tokens of the whole batch, all processes together."""
+    n, total, total_sq = common.all_reduce_sum(
+        [mask.sum().item(), (values * mask).sum().item(), (values.pow(2) * mask).sum().item()], d)
+    mean = total / max(n, 1)
+    var = max(total_sq / max(n, 1) - mean**2, 0.0)
+    return (values - mean) / (var + eps) ** 0.5 * mask
+
+
+def token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: float | None = None) -> torch.Tensor:
+    """Token-level aggregation (PPO, Table 1): the sum over every valid token divided by the number of
+    tokens. `num_tokens` is the count of the whole batch when this is one micro-batch or one process's
+    share of it; default: this mask's count."""
+    if num_tokens is None:
+        num_tokens = mask.sum().clamp(min=1)
+    return (values * mask).sum() / num_tokens
+
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float, num_tokens: float | None = None):
+    """Minus eq. 7's clipped surrogate, token-level aggregation.
+
+    logprobs, old_logprobs, advantages, mask: (B, T); advantages are per token (GAE).
+    """
+    mask = mask.to(logprobs.dtype)
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages
+    surrogate = torch.min(unclipped, clipped)
+    loss = -token_mean(surrogate, mask, num_tokens)
+    with torch.no_grad():
+        log_ratio = logprobs - old_logprobs
+        stats = {
+            "surrogate": token_mean(surrogate, mask, num_tokens).item(),
+            "clipfrac": token_mean((clipped < unclipped).to(mask.dtype), mask, num_tokens).item(),
+            "approx_kl": token_mean(torch.exp(log_ratio) - 1 - log_ratio, mask, num_tokens).item(),  # k3 to old
+            "ratio": token_mean(ratio, mask, num_tokens).item(),
+        }
+    return loss, stats
+
+
+def value_loss(values, old_values, returns, mask, clip_value: float, num_tokens: float | None = None):
+    """Eq. 26: max((V - R)^2, (clip(V, V_old - eps, V_old + eps) - R)^2), token-level. (B, T) tensors."""
+    mask = mask.to(values.dtype)
+    unclipped = (values - returns) ** 2
+    clipped = (torch.clamp(values, old_values - clip_value, old_values + clip_value) - returns) ** 2
+    loss = token_mean(torch.max(unclipped, clipped), mask, num_tokens)
+    with torch.no_grad():
+        stats = {"value_clipfrac": token_mean((clipped > unclipped).to(mask.dtype), mask, num_tokens).item()}
+    return loss, stats
+
+
+# ----------------------------------------------------------------------------------------------------
+# Update: update_epochs passes of num_minibatches optimizer steps, each accumulated over micro-batches
+# ----------------------------------------------------------------------------------------------------
+def update_policy(policy, critic, optimizer, critic_optimizer, rollout: common.Rollout, advantages, returns,
+                  old_logprobs, old_values, args: Args, generator: torch.Generator, d: common.Dist,
+                  train_actor: bool = True) -> dict:
+    """Minimise eq. 3: -eq. 7 + vf_coef * eq. 26 - ent_coef * entropy (eq. 4-5), token-level; mean stats.
+
+    Each micro-batch divides its token sums by the token count of the whole minibatch over all
+    processes (times the number of processes, which DDP's gradient average divides out), so the
+    update does not depend on how the batch is split. Without `train_actor` only the critic learns.
+    """
+    mask = rollout.completion_mask.to(torch.float32)
+    batch_size = len(advantages)
+    stats_sum: dict[str, float] = {}
+    skipped = 0
+    policy.train()
+    critic.train()
+    for _ in range(args.update_epochs):
+        for minibatch in torch.randperm(batch_size, generator=generator).chunk(args.num_minibatches):
+            num_tokens = common.all_reduce_sum([mask[minibatch].sum().item()], d)[0] / d.world_size
+            optimizer.zero_grad(set_to_none=True)
+            critic_optimizer.zero_grad(set_to_none=True)
+            micro_batches = minibatch.split(args.micro_batch_size)
+            for i, idx in enumerate(micro_batches):
+                last = i == len(micro_batches) - 1
+                inputs = (rollout.prompt_ids[idx], rollout.prompt_mask[idx], rollout.completion_ids[idx],
+                          rollout.completion_mask[idx])
+                with contextlib.ExitStack() as no_sync:
+                    if d.enabled and not last:
+                        no_sync.enter_context(critic.no_sync())
+                        no_sync.enter_context(policy.no_sync())
+                    values = common.completion_values(critic, *inputs)
+                    vf_loss, stats = value_loss(values, old_values[idx], returns[idx], mask[idx], args.clip_value,
+                                                num_tokens)
+                    loss = args.vf_coef * vf_loss
+                    if train_actor:
+                        logprobs, entropy = common.completion_logprobs(policy, *inputs, args.temperature,
+                                                                       with_entropy=True)
+                        pg_loss, pg_stats = policy_loss(logprobs, old_logprobs[idx], advantages[idx], mask[idx],
+                                                        args.clip_eps, num_tokens)
+                        entropy_bonus = token_mean(entropy, mask[idx], num_tokens)  # eq. 4
+                        loss = pg_loss + loss - args.ent_coef * entropy_bonus
+                        stats.update(pg_stats, policy_loss=pg_loss.item(), entropy=entropy_bonus.item())
+                    loss.backward()
+                stats.update(value_loss=vf_loss.item())
+                for k, v in stats.items():
+                    stats_sum[k] = stats_sum.get(k, 0.0) + v / (args.num_minibatches * args.update_epochs)
+            critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm) if train_actor \
+                else torch.zeros(())
+            if torch.isfinite(grad_norm) and torch.isfinite(critic_grad_norm):
+                critic_optimizer.step()
+                if train_actor:
+                    optimizer.step()
+            else:  # a NaN/inf gradient never reaches the weights
+                skipped += 1
+            optimizer.zero_grad(set_to_none=True)
+            critic_optimizer.zero_grad(set_to_none=True)
+            for k, v in (("grad_norm", grad_norm), ("critic_grad_norm", critic_grad_norm)):
+                stats_sum[k] = stats_sum.get(k, 0.0) + v.item() / (args.num_minibatches * args.update_epochs)
+    policy.eval()
+    critic.eval()
+    stats_sum["skipped_updates"] = skipped
+    return stats_sum
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------------
+def check_args(args: Args, world_size: int) -> None:
+    common.check_common_args(args, world_size)
+    common.require(0 < args.clip_eps < 1, "clip_eps", args.clip_eps, "in (0, 1)")
+    common.require(args.clip_value > 0, "clip_value", args.clip_value, "> 0")
+    common.require(0 <= args.gamma <= 1, "gamma", args.gamma, "in [0, 1]")
+    common.require(0 <= args.lam <= 1, "lam", args.lam, "in [0, 1]")
+    common.require(args.critic_learning_rate > 0, "critic_learning_rate", args.critic_learning_rate, "> 0")
+    common.require(0 <= args.critic_warmup_steps < args.num_steps, "critic_warmup_steps", args.critic_warmup_steps,
+                   f"in [0, --num-steps) = [0, {args.num_steps})")
+    common.require(args.vf_coef > 0, "vf_coef", args.vf_coef, "> 0")
+    common.require(args.ent_coef >= 0, "ent_coef", args.ent_coef, ">= 0")
+
+
+RewardFn = Callable[[common.Rollout, list], list]
+"""(rollout, tasks aligned with its rows) -> one float per completion; the default scores Countdown."""
+
+
+def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
+    checkpoint = None
+    if args.resume:  # the run's own configuration, its folder, and the state of its newest checkpoint
+        args, checkpoint = common.resume_args(args, Args(), args.resume)
+    check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    d = common.setup_distributed(args.device)
+    common.seed_everything(args.seed)
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = str(checkpoint.parent) if checkpoint else os.path.join(args.runs_dir, run_name)
+    state = common.load_trainer_state(checkpoint) if checkpoint else None
+    logger = common.RunLogger(run_dir, args, d, args.track, args.wandb_project, state and state["step"])
+
+    # Model, critic, reference model (only when the KL term is on), optimizers
+    model_path = common.resolve_model(args.model)
+    tokenizer = common.load_tokenizer(model_path)
+    policy = common.load_model(str(checkpoint or model_path), d.device, args.gradient_checkpointing)
+    critic = common.load_value_model(str(checkpoint / "critic") if checkpoint else model_path, d.device,
+                                     args.gradient_checkpointing)
+    ref_model = common.load_model(model_path, d.device, trainable=False) if args.beta > 0 else None
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate,
+                                         weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
+    backend = common.make_backend(args.backend, policy, tokenizer, args)
+    if d.enabled:
+        policy, critic = DDP(policy), DDP(critic)
+
+    # Data: each process takes its share of prompts_per_step; groups of G contiguous completions
+    train_tasks, test_tasks = common.load_countdown(
+        args.dataset, args.test_size, args.seed, min_numbers=args.task_min_numbers,
+        max_numbers=args.task_max_numbers, max_value=args.task_max_value, operators=args.task_operators)
+    eval_tasks = test_tasks[:args.eval_size]
+    sampler = common.PromptSampler(train_tasks, args.seed)
+    update_rng = torch.Generator().manual_seed(args.seed)
+    skipped_steps, scalars, start_step = 0, {}, 1
+    stateful = {"optimizer": optimizer, "critic_optimizer": critic_optimizer, "scheduler": scheduler,
+                "sampler": sampler}
+    if state:
+        start_step, skipped_steps = common.restore_trainer_state(state, update_rng, **stateful)
+    stop = common.StopRequest()  # Ctrl-C / SIGTERM: finish the step, save, exit
+
+    bar = common.ProgressBar(args.num_steps, d, initial=start_step - 1)
+    for step in range(start_step, args.num_steps + 1):
+        step_start = time.perf_counter()
+
+        # ---- Rollout: G completions for each prompt of this process's share --------------------------
+        tasks = sampler.next_batch(args.prompts_per_step, d)
+        prompts = [common.make_prompt(tokenizer, t, args.prompt_template) for t in tasks]
+        with common.Timer() as generation_time:
+            rollout = backend.generate(prompts, args.group_size, args.max_new_tokens, args.temperature,
+                                       args.top_p, seed=args.seed * 1_000_003 + step * 1_009 + d.rank)
+        group_tasks = [t for t in tasks for _ in range(args.group_size)]
+
+        # ---- Reward ------------------------------------------------------------------------------
+        if reward_fn is None:
+            rewards, correct, well_formed = common.countdown_rewards(
+                rollout.texts, group_tasks, args.format_score, args.answer_score)
+        else:
+            rewards = reward_fn(rollout, group_tasks)
+            correct = well_formed = [0.0] * len(rewards)
+        rewards = torch.tensor(rewards, dtype=torch.float32, device=d.device)
+
+        zero_std_groups = (rewards.view(-1, args.group_size).std(1) == 0).sum().item()
+
+        with common.Timer() as update_time:
+            # ---- Old log-probs and values, reference log-probs -----------------------------------
+            # pi_old's log-probs enter the KL penalty of eq. 8 as well as the ratio, so they are always
+            # computed; V_old is the critic before this update (GAE and eq. 26's clipping).
+            mask = rollout.completion_mask.to(torch.float32)
+            old_logprobs = common.batched_logprobs(policy, rollout, args.micro_batch_size, args.temperature)[0]
+            old_values = common.batched_values(critic, rollout, args.micro_batch_size)
+            ref_logprobs = common.batched_logprobs(
+                ref_model, rollout, args.micro_batch_size, args.temperature)[0] if args.beta > 0 else old_logprobs
+
+            # ---- Advantages: KL-penalised token rewards (eq. 8), GAE (eq. 21-22), whitening -------
+            token_reward = token_rewards(rewards, old_logprobs, ref_logprobs, mask, args.beta)
+            advantages, returns = gae_advantages(token_reward, old_values, mask, args.gamma, args.lam)
+            if args.whiten_advantages:
+                advantages = whiten(advantages, mask, d)
+
+            # ---- Update (eq. 3: eq. 7 + eq. 26 - entropy) ----------------------------------------
+            train_actor = step > args.critic_warmup_steps
+            stats = update_policy(policy, critic, optimizer, critic_optimizer, rollout, advantages, returns,
+                                  old_logprobs, old_values, args, update_rng, d, train_actor)
+            if train_actor:
+                scheduler.step()
+        skipped_steps += stats.pop("skipped_updates")
+
+        # ---- Logging -----------------------------------------------------------------------------
+        step_time = time.perf_counter() - step_start
+        n_seq, n_tokens = len(rewards), rollout.completion_lengths.sum().item()
+        errors = (returns - old_values) * mask
+        sums = common.all_reduce_sum(
+            [rewards.sum().item(), sum(correct), sum(well_formed), n_tokens, n_seq, zero_std_groups,
+             sum(r == "length" for r in rollout.finish_reasons), (advantages * mask).sum().item(),
+             (advantages.pow(2) * mask).sum().item(), (old_values * mask).sum().item(),
+             (returns * mask).sum().item(), (returns.pow(2) * mask).sum().item(), errors.sum().item(),
+             errors.pow(2).sum().item()] + [stats[k] for k in sorted(stats)], d)
+        total_seq, total_tokens = sums[4], sums[3]
+        adv_mean = sums[7] / total_tokens  # per token
+        return_mean = sums[10] / total_tokens
+        return_var = sums[11] / total_tokens - return_mean**2
+        error_var = sums[13] / total_tokens - (sums[12] / total_tokens) ** 2
+        scalars = {
+            "charts/reward": sums[0] / total_seq,
+            "charts/accuracy": sums[1] / total_seq,
+            "charts/format_rate": sums[2] / total_seq,
+            "charts/response_length": total_tokens / total_seq,
+            "charts/truncated_fraction": sums[6] / total_seq,
+            "charts/zero_std_fraction": sums[5] / (total_seq / args.group_size),
+            "charts/advantage_mean": adv_mean,
+            "charts/advantage_std": max(sums[8] / total_tokens - adv_mean**2, 0.0) ** 0.5,
+            "charts/value_mean": sums[9] / total_tokens,
+            "charts/return_mean": return_mean,
+            "charts/explained_variance": 1 - error_var / return_var if return_var > 0 else float("nan"),
+            "charts/learning_rate": scheduler.get_last_lr()[0],
+            "charts/tokens_per_second": total_tokens / step_time,
+            "charts/skipped_steps": skipped_steps,
+            "time/generation": generation_time.seconds,
+            "time/update": update_time.seconds,
+            "time/step": step_time,
+        }
+        for k, v in zip(sorted(stats), sums[14:]):
+            scalars[("losses/" if k != "ratio" else "charts/") + k] = v / d.world_size
+        if args.eval_every and step % args.eval_every == 0 or step == args.num_steps:
+            scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, d,
+                                           args.prompt_template))
+        logger.log(step, scalars)
+        if step % args.log_samples_every == 0 or step == 1:
+            logger.log_samples(step, [prompts[i // args.group_size] for i in range(n_seq)], rollout.texts,
+                               rewards.tolist())
+        bar.show(scalars)
+        stopping = stop.requested(d)
+        if args.save_every and step % args.save_every == 0 or step == args.num_steps or stopping:
+            common.save_checkpoint(policy, tokenizer, run_dir, step, d, critic=critic, keep=args.keep_checkpoints,
+                                   state=common.trainer_state(step, skipped_steps, update_rng, **stateful))
+        if stopping:
+            bar.write(f"stopped after step {step}; continue with: python ppo.py --resume {run_dir}")
+            break
+
+    bar.close()
+    logger.close()
+    common.cleanup_distributed()
+    return {"run_dir": run_dir, **scalars}
+
+
+if __name__ == "__main__":
+    common.exit_on_config_error(lambda: train(tyro.cli(Args)))

@@ -1,0 +1,159 @@
+"""dapo.py: equation 12 (clip-higher, token-level aggregation), dynamic sampling and overlong shaping
+against hand-computed values, a learning test, and the update's independence from the split."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import common
+import dapo
+import grpo
+from conftest import even_token_reward
+from test_grpo import run_update
+
+
+# ---- Eq. 12: clipped surrogate with clip-higher ---------------------------------------------------------
+def one_token_loss(ratio: float, advantage: float, clip_low: float = 0.2, clip_high: float = 0.28):
+    logprobs = torch.tensor([[math.log(ratio)]], requires_grad=True)
+    loss, stats = dapo.policy_loss(logprobs, torch.zeros(1, 1), torch.tensor([advantage]), torch.ones(1, 1),
+                                   clip_low, clip_high)
+    loss.backward()
+    return loss.item(), logprobs.grad.item(), stats
+
+
+def test_clip_higher_example_of_concepts():
+    # concepts.txt: ratio 1.35, A > 0, eps_high 0.28 -> objective 1.28 * A, and no gradient
+    loss, grad, stats = one_token_loss(1.35, 1.43)
+    assert loss == pytest.approx(-1.28 * 1.43, abs=1e-6)
+    assert grad == 0.0 and stats["clipfrac"] == 1.0
+
+
+def test_clip_higher_lets_a_ratio_grow_where_grpo_clips():
+    # ratio 1.25, A = +1: GRPO (eps 0.2) clips at 1.2 with no gradient; DAPO's 1.28 bound keeps it.
+    loss, grad, stats = one_token_loss(1.25, 1.0)
+    assert loss == pytest.approx(-1.25, abs=1e-6)
+    assert grad == pytest.approx(-1.25, abs=1e-6)  # d(-r A)/d log r
+    assert stats["clipfrac"] == 0.0
+    logprobs = torch.tensor([[math.log(1.25)]], requires_grad=True)
+    grpo.policy_loss(logprobs, torch.zeros(1, 1), torch.tensor([1.0]), torch.ones(1, 1), 0.2)[0].backward()
+    assert logprobs.grad.item() == 0.0
+
+
+def test_lower_clip():
+    # ratio 0.7, A = -2.1: min(-1.47, 0.8 * -2.1 = -1.68) = -1.68, clipped, no gradient
+    loss, grad, _ = one_token_loss(0.7, -2.1)
+    assert loss == pytest.approx(1.68, abs=1e-6)
+    assert grad == 0.0
+    # with clip_low 0.4 the bound is 0.6, so 0.7 is inside: -1.47 and a gradient of -r A = 1.47
+    loss, grad, _ = one_token_loss(0.7, -2.1, clip_low=0.4)
+    assert loss == pytest.approx(1.47, abs=1e-6)
+    assert grad == pytest.approx(1.47, abs=1e-5)
+
+
+# ---- Eq. 12: token-level aggregation ----------------------------------------------------------------
+def test_token_level_against_sample_level_aggregation():
+    # Lengths 1 and 3, advantages +1 and -1, ratio 1. Token-level (eq. 12): -(1 - 3) / 4 = 0.5, every
+    # token weighs 1/4. Sample-level (eq. 9): -(1 - 1) / 2 = 0, tokens weigh 1/(2 |o_i|).
+    mask = torch.tensor([[1.0, 0, 0], [1, 1, 1]])
+    advantages = torch.tensor([1.0, -1.0])
+    logprobs = torch.zeros(2, 3, requires_grad=True)
+    loss, _ = dapo.policy_loss(logprobs, torch.zeros(2, 3), advantages, mask, 0.2, 0.28)
+    loss.backward()
+    assert loss.item() == pytest.approx(0.5)
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-0.25, 0, 0], [0.25, 0.25, 0.25]]))
+    sample_level, _ = grpo.policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), advantages, mask, 0.2)
+    assert sample_level.item() == pytest.approx(0.0, abs=1e-7)
+
+
+def test_token_level_equals_sample_level_when_lengths_are_equal():
+    g = torch.Generator().manual_seed(0)
+    logprobs, old = torch.randn(4, 5, generator=g) * 0.1, torch.randn(4, 5, generator=g) * 0.1
+    advantages, mask = torch.randn(4, generator=g), torch.ones(4, 5)
+    token_level, _ = dapo.policy_loss(logprobs, old, advantages, mask, 0.2, 0.2)
+    sample_level, _ = grpo.policy_loss(logprobs, old, advantages, mask, 0.2)
+    assert token_level.item() == pytest.approx(sample_level.item(), abs=1e-6)
+
+
+def test_parts_divided_by_the_global_token_count_sum_to_the_whole():
+    g = torch.Generator().manual_seed(1)
+    logprobs, old = torch.randn(6, 4, generator=g) * 0.2, torch.randn(6, 4, generator=g) * 0.2
+    advantages = torch.randn(6, generator=g)
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
+    whole, _ = dapo.policy_loss(logprobs, old, advantages, mask, 0.2, 0.28)
+    n = mask.sum()
+    parts = [dapo.policy_loss(logprobs[s], old[s], advantages[s], mask[s], 0.2, 0.28, num_tokens=n)[0]
+             for s in (slice(0, 1), slice(1, 4), slice(4, 6))]
+    assert sum(p.item() for p in parts) == pytest.approx(whole.item(), abs=1e-6)
+    # dividing each part by its own count instead gives a different (wrong) answer
+    own = [dapo.policy_loss(logprobs[s], old[s], advantages[s], mask[s], 0.2, 0.28)[0].item()
+           for s in (slice(0, 1), slice(1, 4), slice(4, 6))]
+    assert sum(own) / 3 != pytest.approx(whole.item(), abs=1e-3)
+
+
+# ---- Overlong reward shaping ------------------------------------------------------------------------
+def test_overlong_penalty_at_the_buffer_edges():
+    # max_new_tokens 20, buffer 5: no penalty up to 15 tokens, then linear down to -penalty at 20
+    lengths = torch.tensor([3.0, 15, 16, 17.5, 20])
+    got = dapo.overlong_penalty(lengths, max_new_tokens=20, buffer=5, penalty=0.5)
+    assert got.tolist() == pytest.approx([0.0, 0.0, -0.1, -0.25, -0.5])
+
+
+# ---- Dynamic sampling -------------------------------------------------------------------------------
+class ScriptedBatches:
+    """Stands in for generation + reward: returns preset rewards, one generation batch per call."""
+
+    def __init__(self, batches):
+        self.batches, self.calls = batches, 0
+
+    def __call__(self):
+        self.calls += 1
+        return torch.tensor(self.batches[self.calls - 1])
+
+
+def test_dynamic_sampling_keeps_informative_groups_and_refills():
+    # G = 2, 3 groups per batch. Batch 0 has one informative group (1); batch 1 has two (0 and 2).
+    sample = ScriptedBatches([[1.0, 1.0, 0.0, 1.0, 0.1, 0.1], [0.0, 0.1, 1.0, 1.0, 1.0, 0.0], [0.0, 1.0] * 3])
+    groups = dapo.dynamic_sampling(sample, num_groups=3, group_size=2, max_generation_batches=5, d=common.Dist())
+    assert groups == [(0, 1, True), (1, 0, True), (1, 2, True)]
+    assert sample.calls == 2  # stopped as soon as the step was full
+
+
+def test_dynamic_sampling_stops_at_the_limit_and_masks_the_shortfall():
+    sample = ScriptedBatches([[1.0, 1.0, 0.0, 0.0], [0.1, 0.1, 0.0, 1.0], [0.0, 1.0, 0.0, 1.0]])
+    groups = dapo.dynamic_sampling(sample, num_groups=2, group_size=2, max_generation_batches=2, d=common.Dist())
+    assert sample.calls == 2
+    # one informative group; one uninformative group keeps the shape and stays out of the loss
+    assert groups == [(1, 1, True), (0, 0, False)]
+
+
+def test_dynamic_sampling_does_not_keep_more_than_the_step_needs():
+    sample = ScriptedBatches([[0.0, 1.0] * 4])
+    assert dapo.dynamic_sampling(sample, 3, 2, 3, common.Dist()) == [(0, 0, True), (0, 1, True), (0, 2, True)]
+
+
+# ---- Learning and the split ------------------------------------------------------------------------
+@pytest.mark.parametrize("dynamic_sampling", [True, False])
+def test_dapo_learns_a_toy_reward(dynamic_sampling, peaked_model_dir, tmp_path):
+    args = dapo.Args(model=peaked_model_dir, num_steps=20, prompts_per_step=4, group_size=8, max_new_tokens=8,
+                     learning_rate=3e-3, eval_every=0, save_every=0, eval_size=1, test_size=8,
+                     micro_batch_size=32, runs_dir=str(tmp_path), seed=1, dynamic_sampling=dynamic_sampling)
+    out = dapo.train(args, reward_fn=even_token_reward)
+    rows = [json.loads(line) for line in open(os.path.join(out["run_dir"], "metrics.jsonl"))]
+    rewards = [r["charts/reward"] for r in rows]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-5:]) / 5
+    assert first < 0.65, rewards
+    assert last > 0.85, rewards
+    assert all(r["charts/generation_batches"] >= 1 for r in rows)
+
+
+def test_update_is_the_same_for_any_split(tiny_model_dir, tmp_path):
+    # Token-level normalisation by the global count: 1 x 8, 8 x 1 micro-batches and 2 processes agree.
+    whole = run_update("dapo", tiny_model_dir, tmp_path / "whole.pt", micro_batch_size=8, ent_coef=0.01)
+    accumulated = run_update("dapo", tiny_model_dir, tmp_path / "accum.pt", micro_batch_size=1, ent_coef=0.01)
+    torch.testing.assert_close(accumulated, whole, atol=2e-6, rtol=1e-4)
+    two_processes = run_update("dapo", tiny_model_dir, tmp_path / "ddp.pt", nproc=2, micro_batch_size=3,
+                               ent_coef=0.01)
+    torch.testing.assert_close(two_processes, whole, atol=2e-6, rtol=1e-4)

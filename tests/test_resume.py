@@ -1,0 +1,108 @@
+"""Runs that survive: kill (SIGKILL) or stop (SIGTERM) a run, resume it, and get the run that was never
+interrupted: the same logged rewards and losses, the same final weights (CPU, fixed seed)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import common
+from conftest import ROOT
+
+TOY = os.path.join(ROOT, "tests", "toy_run.py")
+FLAGS = ["--num-steps", "6", "--save-every", "2", "--keep-checkpoints", "2", "--prompts-per-step", "4",
+         "--group-size", "4", "--max-new-tokens", "8", "--learning-rate", "1e-3", "--eval-every", "0",
+         "--eval-size", "1", "--test-size", "8", "--micro-batch-size", "16", "--log-samples-every", "100"]
+
+
+def env():
+    e = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    e["OMP_NUM_THREADS"] = "1"
+    return e
+
+
+def run_dir_of(runs):
+    (name,) = os.listdir(runs)
+    return os.path.join(runs, name)
+
+
+def rows(run_dir):
+    skip = ("time/", "charts/tokens_per_second")
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(skip)}
+            for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+def interrupt(cmd, runs, sig):
+    """Start a run, and send `sig` once its first checkpoint is complete."""
+    proc = subprocess.Popen(cmd, env=env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.isdir(runs) and os.listdir(runs) and common.complete_checkpoints(run_dir_of(runs)):
+            proc.send_signal(sig)
+            break
+        time.sleep(0.05)
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out + err
+
+
+@pytest.mark.parametrize("algo,sig", [("grpo", signal.SIGKILL), ("dapo", signal.SIGTERM), ("ppo", signal.SIGTERM)])
+def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(algo, sig, peaked_model_dir, tmp_path):
+    base = [sys.executable, TOY, algo, "--model", peaked_model_dir, *FLAGS]
+    whole = subprocess.run(base + ["--runs-dir", str(tmp_path / "whole")], env=env(), cwd=ROOT,
+                           capture_output=True, text=True, timeout=600)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+
+    runs = str(tmp_path / "parts")
+    code, output = interrupt(base + ["--runs-dir", runs], runs, sig)
+    run_dir = run_dir_of(runs)
+    if sig == signal.SIGTERM:  # the step in flight finishes, is saved, and the exit is clean
+        assert code == 0, output[-3000:]
+        assert f"continue with: python {algo}.py --resume {run_dir}" in output
+    stopped_at = int(common.complete_checkpoints(run_dir)[-1].name.split("-")[1])
+    if stopped_at == 6:
+        pytest.skip("the run finished before the signal arrived")
+    resumed = subprocess.run([sys.executable, TOY, algo, "--resume", run_dir], env=env(), cwd=ROOT,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    expected, got = rows(run_dir_of(tmp_path / "whole")), rows(run_dir)
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]  # steps after the checkpoint were logged again
+    assert got == expected
+    weights = lambda d: load_file(os.path.join(d, "checkpoint-6", "model.safetensors"))  # noqa: E731
+    a, b = weights(run_dir_of(tmp_path / "whole")), weights(run_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert len(common.complete_checkpoints(run_dir)) == 2  # --keep-checkpoints
+
+
+def test_half_written_checkpoints_are_never_resumed(tmp_path):
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "checkpoint-2" / common.TRAINER_STATE).write_bytes(b"x")
+    (tmp_path / "checkpoint-4.tmp").mkdir()  # killed while writing
+    (tmp_path / "checkpoint-4.tmp" / common.TRAINER_STATE).write_bytes(b"x")
+    (tmp_path / "checkpoint-6").mkdir()  # no trainer state: not written by this code path
+    assert common.find_checkpoint(str(tmp_path)).name == "checkpoint-2"
+    with pytest.raises(common.ConfigError, match="--resume='.*' is not allowed: no complete checkpoint"):
+        common.find_checkpoint(str(tmp_path / "checkpoint-6"))
+
+
+def test_resume_refuses_a_conflicting_flag(tmp_path):
+    import grpo
+
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    ckpt.mkdir(parents=True)
+    (ckpt / common.TRAINER_STATE).write_bytes(b"x")
+    from dataclasses import asdict
+
+    (tmp_path / "run" / "args.json").write_text(json.dumps(asdict(grpo.Args(learning_rate=1e-4))))
+    args, found = common.resume_args(grpo.Args(resume=str(tmp_path / "run"), num_steps=50), grpo.Args(),
+                                     str(tmp_path / "run"))
+    assert found == ckpt and args.learning_rate == 1e-4 and args.num_steps == 50
+    with pytest.raises(common.ConfigError, match=r"--learning-rate=0.01 is not allowed with --resume: the run was "
+                                                 r"started with 0.0001"):
+        common.resume_args(grpo.Args(learning_rate=1e-2), grpo.Args(), str(tmp_path / "run"))

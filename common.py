@@ -47,13 +47,35 @@ def require(condition: bool, flag: str, value, allowed: str) -> None:
         raise ConfigError(f"--{flag.replace('_', '-')}={value!r} is not allowed: {allowed}")
 
 
+class RunStopped(RuntimeError):
+    """The run cannot go on (non-finite updates in a row, out of memory); the message says what to change."""
+
+
 def exit_on_config_error(fn):
-    """Run `fn`, turning a ConfigError into a one-line message and exit status 2."""
+    """Run `fn`, turning a ConfigError into a one-line message and exit status 2 (1 for RunStopped)."""
     try:
         return fn()
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except RunStopped as err:
+        print(f"stopped: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+OOM_HINTS = {"generation": "lower --prompts-per-step, --group-size or --max-new-tokens",
+             "update": "lower --micro-batch-size or add --gradient-checkpointing"}
+
+
+@contextlib.contextmanager
+def out_of_memory_hint(stage: str, args):
+    """Turn an out-of-memory error in `stage` into a message naming the flags that lower the memory."""
+    try:
+        yield
+    except torch.OutOfMemoryError as err:
+        raise RunStopped(f"out of memory in the {stage} (--micro-batch-size={args.micro_batch_size}, "
+                         f"--prompts-per-step={args.prompts_per_step}, --group-size={args.group_size}, "
+                         f"--max-new-tokens={args.max_new_tokens}): {OOM_HINTS[stage]}") from err
 
 
 def check_common_args(args, world_size: int = 1) -> None:
@@ -69,6 +91,7 @@ def check_common_args(args, world_size: int = 1) -> None:
     require(args.eval_every >= 0, "eval_every", args.eval_every, ">= 0 (0: only at the end)")
     require(args.save_every >= 0, "save_every", args.save_every, ">= 0 (0: only at the end)")
     require(args.keep_checkpoints >= 0, "keep_checkpoints", args.keep_checkpoints, ">= 0 (0: keep all)")
+    require(args.max_skipped_steps >= 1, "max_skipped_steps", args.max_skipped_steps, "a positive integer")
     require(args.backend in ("hf",), "backend", args.backend, "'hf'")
     require(args.device in ("auto", "cpu", "cuda"), "device", args.device, "'auto', 'cpu' or 'cuda'")
     require(args.prompts_per_step % world_size == 0, "prompts_per_step", args.prompts_per_step,
@@ -523,7 +546,7 @@ def model_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask):
 
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                        temperature: float = 1.0, with_entropy: bool = False):
+                        temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False):
     """Log-probs (B, T) of the completion tokens, and the entropy (B, T) of each next-token distribution.
 
     Logits are kept only for completion positions (`logits_to_keep`), scaled by the sampling
@@ -540,7 +563,9 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     logprobs = logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1) - log_norm
     entropy = None
     if with_entropy:  # eq. 5: H = -sum p log p = logsumexp(l) - sum softmax(l) * l
-        entropy = log_norm - (torch.softmax(logits, -1) * logits).sum(-1)
+        # Without entropy_grad (no entropy bonus) it is a statistic: no graph through (B, T, vocab) tensors
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = log_norm - (torch.softmax(logits, -1) * logits).sum(-1)
     return logprobs, entropy
 
 

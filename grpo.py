@@ -106,6 +106,8 @@ class Args:
     """optimizer steps per pass; with 1 epoch and 1 minibatch the update is on-policy (ratio 1)"""
     micro_batch_size: int = 8
     """sequences per forward/backward (gradient accumulation); lower it when out of memory"""
+    max_skipped_steps: int = 3
+    """stop (saving the last good weights) after this many steps in a row with a NaN/inf gradient"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
 
@@ -265,7 +267,7 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
     eval_tasks = test_tasks[:args.eval_size]
     sampler = common.PromptSampler(train_tasks, args.seed)
     update_rng = torch.Generator().manual_seed(args.seed)
-    skipped_steps, scalars, start_step = 0, {}, 1
+    skipped_steps, skipped_in_row, scalars, start_step = 0, 0, {}, 1
     stateful = {"optimizer": optimizer, "scheduler": scheduler, "sampler": sampler}
     if state:
         start_step, skipped_steps = common.restore_trainer_state(state, update_rng, **stateful)
@@ -278,7 +280,7 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
         # ---- Rollout: G completions for each prompt of this process's share --------------------------
         tasks = sampler.next_batch(args.prompts_per_step, d)
         prompts = [common.make_prompt(tokenizer, t, args.prompt_template) for t in tasks]
-        with common.Timer() as generation_time:
+        with common.Timer() as generation_time, common.out_of_memory_hint("generation", args):
             rollout = backend.generate(prompts, args.group_size, args.max_new_tokens, args.temperature,
                                        args.top_p, seed=args.seed * 1_000_003 + step * 1_009 + d.rank)
         group_tasks = [t for t in tasks for _ in range(args.group_size)]
@@ -296,7 +298,7 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
         advantages = group_advantages(rewards, args.group_size, args.adv_eps)
         zero_std_groups = (rewards.view(-1, args.group_size).std(1) == 0).sum().item()
 
-        with common.Timer() as update_time:
+        with common.Timer() as update_time, common.out_of_memory_hint("update", args):
             # ---- Old and reference log-probs -----------------------------------------------------
             # One epoch of one minibatch is on-policy: pi_old is the policy itself, so its log-probs are
             # the detached current ones and need no extra forward pass.
@@ -310,7 +312,11 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
             stats = update_policy(policy, optimizer, rollout, advantages, old_logprobs, ref_logprobs, args,
                                   update_rng, d)
             scheduler.step()
-        skipped_steps += stats.pop("skipped_updates")
+        skipped = stats.pop("skipped_updates")
+        skipped_steps, skipped_in_row = skipped_steps + skipped, (skipped_in_row + 1) if skipped else 0
+        if skipped:
+            bar.write(f"step {step}: {skipped} optimizer step(s) skipped, the gradient was not finite "
+                      f"(policy loss {stats.get('policy_loss', float('nan')):.4g}, grad norm {stats['grad_norm']:.4g})")
 
         # ---- Logging -----------------------------------------------------------------------------
         step_time = time.perf_counter() - step_start
@@ -348,9 +354,15 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
                                rewards.tolist())
         bar.show(scalars)
         stopping = stop.requested(d)
-        if args.save_every and step % args.save_every == 0 or step == args.num_steps or stopping:
+        diverged = skipped_in_row >= args.max_skipped_steps
+        if args.save_every and step % args.save_every == 0 or step == args.num_steps or stopping or diverged:
             common.save_checkpoint(policy, tokenizer, run_dir, step, d, keep=args.keep_checkpoints,
                                    state=common.trainer_state(step, skipped_steps, update_rng, **stateful))
+        if diverged:  # the skipped updates never reached the weights: the checkpoint is the last good state
+            raise common.RunStopped(
+                f"{skipped_in_row} steps in a row had a non-finite gradient (--max-skipped-steps="
+                f"{args.max_skipped_steps}); the last good weights are in {run_dir}/checkpoint-{step}: check the "
+                f"rewards, or start again from them with --model and a lower --learning-rate")
         if stopping:
             bar.write(f"stopped after step {step}; continue with: python grpo.py --resume {run_dir}")
             break

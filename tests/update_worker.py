@@ -12,7 +12,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import common  # noqa: E402
 from conftest import synthetic_rollout  # noqa: E402
@@ -27,7 +26,8 @@ def main():
     if algo_name == "ppo":
         args.critic_learning_rate, args.lam, args.clip_value = 1.0, 0.95, 0.05
     for k, v in overrides.items():
-        setattr(args, k, type(getattr(args, k))(v))
+        kind = type(getattr(args, k))
+        setattr(args, k, v == "True" if kind is bool else kind(v))
     d = common.setup_distributed("cpu")
     torch.manual_seed(0)
     policy = common.load_model(model_dir, d.device)
@@ -35,7 +35,6 @@ def main():
     with torch.no_grad():  # a reference that differs from the policy, so the KL term has a gradient
         for p in ref_model.parameters():
             p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-    optimizer = torch.optim.SGD(policy.parameters(), lr=args.learning_rate)
 
     full = synthetic_rollout(batch_size=8)
     rewards = torch.tensor([0.0, 1.0, 0.1, 0.1, 1.0, 1.0, 0.0, 0.1])
@@ -51,25 +50,27 @@ def main():
     if algo_name == "ppo":
         # per-token rewards (eq. 8), GAE, and whitening over both processes' shares together
         critic = common.load_value_model(model_dir, d.device)
-        critic_optimizer = torch.optim.SGD(critic.parameters(), lr=args.critic_learning_rate)
         old_values = common.batched_values(critic, full, 8) + 0.1 * torch.randn(
             full.completion_ids.shape, generator=torch.Generator().manual_seed(2))
         mask = full.completion_mask.float()
         token_reward = algo.token_rewards(rewards, old_logprobs_full, ref_logprobs_full, mask, args.beta)
         advantages, returns = algo.gae_advantages(token_reward, old_values, mask, args.gamma, args.lam)
         advantages = algo.whiten(advantages[s], mask[s], d)
-        if d.enabled:
-            policy, critic = DDP(policy), DDP(critic)
+        policy, critic = common.parallelize(policy, d, args.fsdp), common.parallelize(critic, d, args.fsdp)
+        optimizer = torch.optim.SGD(policy.parameters(), lr=args.learning_rate)
+        critic_optimizer = torch.optim.SGD(critic.parameters(), lr=args.critic_learning_rate)
         algo.update_policy(policy, critic, optimizer, critic_optimizer, mine, advantages, returns[s],
                            old_logprobs_full[s], old_values[s], args, torch.Generator().manual_seed(0), d)
         trained.append(critic)
     else:
-        if d.enabled:
-            policy = DDP(policy)
+        policy = common.parallelize(policy, d, args.fsdp)  # DDP, or FSDP2 with fsdp=True
+        optimizer = torch.optim.SGD(policy.parameters(), lr=args.learning_rate)
         algo.update_policy(policy, optimizer, mine, advantages[s], old_logprobs_full[s], ref_logprobs_full[s],
                            args, torch.Generator().manual_seed(0), d)
+    assert all(common.is_sharded(m) == (args.fsdp and d.enabled) for m in trained)
+    full = [common.full_state_dict(m) or common.unwrap(m).state_dict() for m in trained]  # gathers FSDP2 shards
     if d.is_main:
-        torch.save(torch.cat([p.detach().flatten() for m in trained for p in common.unwrap(m).parameters()]), out)
+        torch.save(torch.cat([t.detach().flatten() for sd in full for t in sd.values()]), out)
     common.cleanup_distributed()
 
 

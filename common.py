@@ -94,9 +94,9 @@ def check_common_args(args, world_size: int = 1) -> None:
     require(args.keep_checkpoints >= 0, "keep_checkpoints", args.keep_checkpoints, ">= 0 (0: keep all)")
     require(args.max_skipped_steps >= 1, "max_skipped_steps", args.max_skipped_steps, "a positive integer")
     require(args.backend in ("hf", "vllm"), "backend", args.backend, "'hf' or 'vllm'")
-    require(args.backend != "vllm" or world_size == 1, "backend", args.backend,
-            "'hf' under torchrun (a vLLM engine per process is not supported yet)")
-    require(args.backend != "vllm" or not args.fsdp, "backend", args.backend, "'hf' with --fsdp")
+    on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    require(not args.vllm_sleep_mode or (args.backend == "vllm" and on_gpu), "vllm_sleep_mode",
+            args.vllm_sleep_mode, "off unless --backend vllm on a GPU (vLLM's sleep mode does nothing on CPU)")
     require(args.vllm_is_cap >= 0, "vllm_is_cap", args.vllm_is_cap, ">= 0 (0: off)")
     require(args.vllm_is_cap == 0 or args.backend == "vllm", "vllm_is_cap", args.vllm_is_cap,
             "0 unless --backend vllm (HF generation samples from the trained model itself)")
@@ -355,8 +355,12 @@ def no_sync(model, skip_sync: bool):
 
 def clip_grad_norm_(model, max_norm: float) -> torch.Tensor:
     """Gradient clipping over all processes' shards; the norm as a plain tensor (NaN/inf when not finite)."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    return full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+
+
+def full_tensor(x: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 shard (a collective), or the tensor itself."""
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
 class OptimizerState:
@@ -645,13 +649,28 @@ class VLLMBackend:
         # the longest Countdown prompt (6 five-digit numbers) plus the completion, not the model's 32k
         longest = make_prompt(tokenizer, {"nums": [99999] * 6, "target": 99999}, args.prompt_template)
         self.max_model_len = len(tokenizer(longest, add_special_tokens=False).input_ids) + args.max_new_tokens + 16
-        kwargs = {} if d.device.type == "cpu" else {"gpu_memory_utilization": args.vllm_gpu_memory_utilization}
-        self.llm = LLM(model=model_path, tokenizer=model_path, dtype="bfloat16", seed=args.seed, enforce_eager=True,
-                       max_model_len=self.max_model_len, enable_prefix_caching=True,
+        kwargs = {}
+        if d.device.type == "cuda":
+            kwargs.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                          enable_sleep_mode=args.vllm_sleep_mode)
+        if d.world_size > 1:  # one engine per torchrun process, each on its own prompts (as TRL's colocate mode)
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        # The trainer's compute dtype: bf16 on GPU; fp32 on CPU, where bf16 matmuls without AVX512-BF16 run
+        # about 4x slower (measured, README) and fp32 keeps small updates that bf16 would round away.
+        dtype = "bfloat16" if d.device.type == "cuda" else "float32"
+        self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=args.seed + d.rank,
+                       enforce_eager=True, max_model_len=self.max_model_len, enable_prefix_caching=True,
                        logprobs_mode="processed_logprobs", **kwargs)  # log-probs at the sampling temperature
         torch.set_num_threads(threads)  # the in-process engine lowers torch's thread count
         self.tied = bool(getattr(unwrap(model).config, "tie_word_embeddings", False))
         self.cpu = d.device.type == "cpu"
+        self.sleep_mode, self.asleep = bool(kwargs.get("enable_sleep_mode")), False
+
+    def wake_up(self) -> None:
+        """Bring back what sleep mode released (weights, KV cache) before the engine is used again."""
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     @torch.no_grad()
     def generate(self, prompts: list[str], num_samples: int, max_new_tokens: int, temperature: float,
@@ -659,12 +678,16 @@ class VLLMBackend:
         from vllm import SamplingParams, TokensPrompt
 
         tok = self.tokenizer
+        self.wake_up()
         prompt_ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
         params = SamplingParams(n=num_samples, temperature=temperature, top_p=top_p if temperature else 1.0,
                                 top_k=-1 if temperature else 1, max_tokens=max_new_tokens, seed=seed, logprobs=0,
                                 stop_token_ids=self.stop_ids, skip_special_tokens=True)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], params,
                                     use_tqdm=False)
+        if self.sleep_mode:  # level 1: weights to host memory, KV cache (and prefix cache) freed for the update
+            self.llm.sleep(level=1)
+            self.asleep = True
         rows = [(ids, c) for ids, out in zip(prompt_ids, outputs) for c in out.outputs]
         P = max(len(ids) for ids, _ in rows)
         T = max(max(len(c.token_ids) for _, c in rows), 1)
@@ -688,28 +711,14 @@ class VLLMBackend:
     @torch.no_grad()
     def sync_weights(self, model) -> None:
         """Push the trained weights into the running engine (vLLM fuses q/k/v and gate/up itself), one
-        parameter at a time (gathered from its FSDP2 shards when sharded); then drop cached prompt blocks
-        computed with the old weights."""
-        def weights():
-            for name, param in unwrap(model).named_parameters():
-                yield name, (param.full_tensor() if hasattr(param, "full_tensor") else param).detach()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights())})
+        parameter at a time (gathered from its FSDP2 shards when sharded, a collective every process
+        makes in the same order); then drop cached prompt blocks computed with the old weights."""
+        self.wake_up()
+        weights = ((name, full_tensor(param).detach()) for name, param in unwrap(model).named_parameters())
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if self.tied and self.cpu:  # the CPU backend keeps a packed copy of a tied output layer: repack it
             self.llm.apply_model(lambda m: m.lm_head.quant_method.process_weights_after_loading(m.lm_head))
         self.llm.reset_prefix_cache()
-
-
-def engine_log_ratio(policy, rollout: Rollout, trainer_logprobs, args):
-    """log(pi_trainer / pi_engine) per sampled token (0 on padding) and its mean absolute value, when a
-    separate engine (vLLM) sampled the rollout; (None, None) for HF generation. `trainer_logprobs`
-    (pi_old) are computed here when the loop did not need them (on-policy)."""
-    if rollout.logprobs is None:
-        return None, None
-    if trainer_logprobs is None:
-        trainer_logprobs = batched_logprobs(policy, rollout, args.micro_batch_size, args.temperature)[0]
-    mask = rollout.completion_mask.to(trainer_logprobs.dtype)
-    log_ratio = (trainer_logprobs - rollout.logprobs) * mask
-    return log_ratio, log_ratio.abs().sum().item() / mask.sum().clamp(min=1).item()
 
 
 def make_backend(name: str, model, tokenizer, args=None, model_path: str | None = None, d: Dist | None = None):
@@ -764,29 +773,31 @@ def completion_values(critic, prompt_ids, prompt_mask, completion_ids, completio
     return out.logits[:, -(T + 1):-1, 0].float()
 
 
+def over_micro_batches(fn, rollout: Rollout, micro_batch_size: int):
+    """fn(prompt_ids, prompt_mask, completion_ids, completion_mask) on each micro-batch of the rollout,
+    its outputs (a tensor, or a tuple of tensors or None) concatenated along the batch."""
+    outs = []
+    for i in range(0, len(rollout.completion_ids), micro_batch_size):
+        s = slice(i, i + micro_batch_size)
+        outs.append(fn(rollout.prompt_ids[s], rollout.prompt_mask[s], rollout.completion_ids[s],
+                       rollout.completion_mask[s]))
+    if isinstance(outs[0], torch.Tensor):
+        return torch.cat(outs)
+    return tuple(None if parts[0] is None else torch.cat(parts) for parts in zip(*outs))
+
+
 @torch.no_grad()
 def batched_values(critic, rollout: Rollout, micro_batch_size: int) -> torch.Tensor:
     """completion_values over the whole rollout in micro-batches, without gradients."""
-    return torch.cat([completion_values(unwrap(critic), rollout.prompt_ids[i:i + micro_batch_size],
-                                        rollout.prompt_mask[i:i + micro_batch_size],
-                                        rollout.completion_ids[i:i + micro_batch_size],
-                                        rollout.completion_mask[i:i + micro_batch_size])
-                      for i in range(0, len(rollout.completion_ids), micro_batch_size)])
+    return over_micro_batches(lambda *batch: completion_values(unwrap(critic), *batch), rollout, micro_batch_size)
 
 
 @torch.no_grad()
 def batched_logprobs(model, rollout: Rollout, micro_batch_size: int, temperature: float = 1.0,
                      with_entropy: bool = False):
-    """completion_logprobs over the whole rollout in micro-batches, without gradients."""
-    lps, ents = [], []
-    for i in range(0, len(rollout.completion_ids), micro_batch_size):
-        s = slice(i, i + micro_batch_size)
-        lp, ent = completion_logprobs(unwrap(model), rollout.prompt_ids[s], rollout.prompt_mask[s],
-                                      rollout.completion_ids[s], rollout.completion_mask[s], temperature,
-                                      with_entropy)
-        lps.append(lp)
-        ents.append(ent)
-    return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+    """completion_logprobs over the whole rollout in micro-batches, without gradients: (log-probs, entropy)."""
+    return over_micro_batches(lambda *batch: completion_logprobs(unwrap(model), *batch, temperature, with_entropy),
+                              rollout, micro_batch_size)
 
 
 # ----------------------------------------------------------------------------------------------------

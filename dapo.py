@@ -77,7 +77,9 @@ class Args:
     vllm_gpu_memory_utilization: float = 0.3
     """--backend vllm on GPU: the share of GPU memory the engine may take (weights and KV cache)"""
     vllm_kv_cache_gib: int = 4
-    """--backend vllm on CPU: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE)"""
+    """--backend vllm on CPU: KV-cache size in GiB per process (VLLM_CPU_KVCACHE_SPACE)"""
+    vllm_sleep_mode: bool = False
+    """--backend vllm on GPU: free the engine's KV cache and move its weights to host memory during the update"""
     vllm_is_cap: float = 0.0
     """--backend vllm: weight each token by min(pi_old / pi_vllm, cap), truncated importance sampling (0: off)"""
     max_new_tokens: int = 256
@@ -181,10 +183,12 @@ def token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: float | Non
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low: float, clip_high: float,
-                num_tokens: float | None = None, is_weights=None):
+                num_tokens: float | None = None, engine_logprobs=None, is_cap: float = 0.0):
     """Minus eq. 12's clipped surrogate with clip-higher, token-level aggregation.
 
     logprobs, old_logprobs, mask: (B, T); advantages: (B,), one per sequence, shared by its tokens.
+    engine_logprobs (B, T), when vLLM sampled the tokens: the gap |log pi_old - log pi_vllm| is logged
+    and, with `is_cap` > 0, each token is weighted by min(pi_old / pi_vllm, is_cap) (truncated IS).
     """
     mask = mask.to(logprobs.dtype)
     ratio = torch.exp(logprobs - old_logprobs)
@@ -192,8 +196,9 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low: float, clip_
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * adv
     surrogate = torch.min(unclipped, clipped)
-    if is_weights is not None:  # truncated importance sampling for the engine/trainer mismatch (vLLM)
-        surrogate = surrogate * is_weights
+    engine_gap = None if engine_logprobs is None else old_logprobs - engine_logprobs
+    if engine_gap is not None and is_cap > 0:  # the engine/trainer mismatch: truncated importance sampling
+        surrogate = surrogate * engine_gap.exp().clamp(max=is_cap)
     loss = -token_mean(surrogate, mask, num_tokens)
     with torch.no_grad():
         log_ratio = logprobs - old_logprobs
@@ -203,6 +208,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low: float, clip_
             "approx_kl": token_mean(torch.exp(log_ratio) - 1 - log_ratio, mask, num_tokens).item(),  # k3 to old
             "ratio": token_mean(ratio, mask, num_tokens).item(),
         }
+        if engine_gap is not None:
+            stats["vllm_logprob_diff"] = token_mean(engine_gap.abs(), mask, num_tokens).item()
     return loss, stats
 
 
@@ -238,7 +245,7 @@ def dynamic_sampling(sample_batch: Callable[[], torch.Tensor], num_groups: int, 
 # Update: update_epochs passes of num_minibatches optimizer steps, each accumulated over micro-batches
 # ----------------------------------------------------------------------------------------------------
 def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_logprobs, ref_logprobs,
-                  args: Args, generator: torch.Generator, d: common.Dist, loss_mask=None, is_weights=None) -> dict:
+                  args: Args, generator: torch.Generator, d: common.Dist, loss_mask=None) -> dict:
     """Minimise -eq. 12 (clipped surrogate, token-level; - beta * k3 KL, - ent_coef * entropy) over the
     rollout; mean stats. `loss_mask` (default: the completion mask) leaves tokens out of the loss.
 
@@ -266,9 +273,9 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
                         rollout.completion_mask[idx], args.temperature, with_entropy=True,
                         entropy_grad=args.ent_coef > 0)
                     old = logprobs.detach() if old_logprobs is None else old_logprobs[idx]
+                    engine = None if rollout.logprobs is None else rollout.logprobs[idx]  # vLLM sampled them
                     pg_loss, stats = policy_loss(logprobs, old, advantages[idx], mask[idx], args.clip_low,
-                                                 args.clip_high, num_tokens,
-                                                 None if is_weights is None else is_weights[idx])
+                                                 args.clip_high, num_tokens, engine, args.vllm_is_cap)
                     if ref_logprobs is not None:
                         kl = token_mean(kl_k3(logprobs, ref_logprobs[idx]), mask[idx], num_tokens)
                     else:
@@ -421,14 +428,10 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
                 policy, rollout, args.micro_batch_size, args.temperature)[0]
             ref_logprobs = common.batched_logprobs(
                 ref_model, rollout, args.micro_batch_size, args.temperature)[0] if args.beta > 0 else None
-            # vLLM sampled the rollout in bf16 with its own kernels: measure its gap to pi_old and, with
-            # --vllm-is-cap, weight each token by min(pi_old / pi_vllm, cap) (truncated importance sampling)
-            engine_log_ratio, engine_gap = common.engine_log_ratio(policy, rollout, old_logprobs, args)
-            is_weights = engine_log_ratio.exp().clamp(max=args.vllm_is_cap) if args.vllm_is_cap else None
 
             # ---- Update (eq. 12) -----------------------------------------------------------------
             stats = update_policy(policy, optimizer, rollout, advantages, old_logprobs, ref_logprobs, args,
-                                  update_rng, d, loss_mask, is_weights)
+                                  update_rng, d, loss_mask)
             scheduler.step()
         with common.Timer() as sync_time:  # the generation engine samples from the new weights
             backend.sync_weights(policy)
@@ -476,12 +479,10 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
                       f"{args.max_generation_batches}; training on {int(sums[9]) // G} informative groups, not "
                       f"{args.prompts_per_step}")
         for k, v in zip(sorted(stats), sums[11:]):
-            scalars[("losses/" if k != "ratio" else "charts/") + k] = v / d.world_size
+            scalars[("charts/" if k in ("ratio", "vllm_logprob_diff") else "losses/") + k] = v / d.world_size
         if args.eval_every and step % args.eval_every == 0 or step == args.num_steps:
             scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, d,
                                            args.prompt_template))
-        if engine_gap is not None:
-            scalars["charts/vllm_logprob_diff"] = engine_gap  # mean |log pi_old - log pi_vllm| per token
         logger.log(step, scalars)
         if step % args.log_samples_every == 0 or step == 1:
             first = batches[0]

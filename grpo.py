@@ -73,7 +73,9 @@ class Args:
     vllm_gpu_memory_utilization: float = 0.3
     """--backend vllm on GPU: the share of GPU memory the engine may take (weights and KV cache)"""
     vllm_kv_cache_gib: int = 4
-    """--backend vllm on CPU: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE)"""
+    """--backend vllm on CPU: KV-cache size in GiB per process (VLLM_CPU_KVCACHE_SPACE)"""
+    vllm_sleep_mode: bool = False
+    """--backend vllm on GPU: free the engine's KV cache and move its weights to host memory during the update"""
     vllm_is_cap: float = 0.0
     """--backend vllm: weight each token by min(pi_old / pi_vllm, cap), truncated importance sampling (0: off)"""
     max_new_tokens: int = 256
@@ -157,10 +159,13 @@ def sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return per_sequence.mean()
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float, is_weights=None):
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float, engine_logprobs=None,
+                is_cap: float = 0.0):
     """Minus eq. 9's clipped surrogate (without the KL term), sample-level aggregation.
 
     logprobs, old_logprobs, mask: (B, T); advantages: (B,), one per sequence, shared by its tokens.
+    engine_logprobs (B, T), when vLLM sampled the tokens: the gap |log pi_old - log pi_vllm| is logged
+    and, with `is_cap` > 0, each token is weighted by min(pi_old / pi_vllm, is_cap) (truncated IS).
     """
     mask = mask.to(logprobs.dtype)
     ratio = torch.exp(logprobs - old_logprobs)
@@ -168,8 +173,9 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float, is_we
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv
     surrogate = torch.min(unclipped, clipped)
-    if is_weights is not None:  # truncated importance sampling for the engine/trainer mismatch (vLLM)
-        surrogate = surrogate * is_weights
+    engine_gap = None if engine_logprobs is None else old_logprobs - engine_logprobs
+    if engine_gap is not None and is_cap > 0:  # the engine/trainer mismatch: truncated importance sampling
+        surrogate = surrogate * engine_gap.exp().clamp(max=is_cap)
     loss = -sequence_mean(surrogate, mask)
     with torch.no_grad():
         log_ratio = logprobs - old_logprobs
@@ -179,6 +185,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float, is_we
             "approx_kl": sequence_mean(torch.exp(log_ratio) - 1 - log_ratio, mask).item(),  # k3 to old policy
             "ratio": sequence_mean(ratio, mask).item(),
         }
+        if engine_gap is not None:
+            stats["vllm_logprob_diff"] = sequence_mean(engine_gap.abs(), mask).item()
     return loss, stats
 
 
@@ -186,7 +194,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float, is_we
 # Update: update_epochs passes of num_minibatches optimizer steps, each accumulated over micro-batches
 # ----------------------------------------------------------------------------------------------------
 def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_logprobs, ref_logprobs,
-                  args: Args, generator: torch.Generator, d: common.Dist, is_weights=None) -> dict:
+                  args: Args, generator: torch.Generator, d: common.Dist) -> dict:
     """Minimise -eq. 9 (clipped surrogate - beta * k3 KL, sample-level) over the rollout; mean stats.
 
     Every process holds the same number of sequences, and DDP averages gradients over processes, so
@@ -209,8 +217,9 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
                         policy, rollout.prompt_ids[idx], rollout.prompt_mask[idx], rollout.completion_ids[idx],
                         rollout.completion_mask[idx], args.temperature, with_entropy=True)
                     old = logprobs.detach() if old_logprobs is None else old_logprobs[idx]
-                    pg_loss, stats = policy_loss(logprobs, old, advantages[idx], mask[idx], args.clip_eps,
-                                                 None if is_weights is None else is_weights[idx])
+                    engine = None if rollout.logprobs is None else rollout.logprobs[idx]  # vLLM sampled them
+                    pg_loss, stats = policy_loss(logprobs, old, advantages[idx], mask[idx], args.clip_eps, engine,
+                                                 args.vllm_is_cap)
                     if ref_logprobs is not None:
                         kl = sequence_mean(kl_k3(logprobs, ref_logprobs[idx]), mask[idx])
                     else:
@@ -318,14 +327,10 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
                 policy, rollout, args.micro_batch_size, args.temperature)[0]
             ref_logprobs = common.batched_logprobs(
                 ref_model, rollout, args.micro_batch_size, args.temperature)[0] if args.beta > 0 else None
-            # vLLM sampled the rollout in bf16 with its own kernels: measure its gap to pi_old and, with
-            # --vllm-is-cap, weight each token by min(pi_old / pi_vllm, cap) (truncated importance sampling)
-            engine_log_ratio, engine_gap = common.engine_log_ratio(policy, rollout, old_logprobs, args)
-            is_weights = engine_log_ratio.exp().clamp(max=args.vllm_is_cap) if args.vllm_is_cap else None
 
             # ---- Update (eq. 9, 11) --------------------------------------------------------------
             stats = update_policy(policy, optimizer, rollout, advantages, old_logprobs, ref_logprobs, args,
-                                  update_rng, d, is_weights)
+                                  update_rng, d)
             scheduler.step()
         with common.Timer() as sync_time:  # the generation engine samples from the new weights
             backend.sync_weights(policy)
@@ -362,12 +367,10 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
             "time/step": step_time,
         }
         for k, v in zip(sorted(stats), sums[9:]):
-            scalars[("losses/" if k != "ratio" else "charts/") + k] = v / d.world_size
+            scalars[("charts/" if k in ("ratio", "vllm_logprob_diff") else "losses/") + k] = v / d.world_size
         if args.eval_every and step % args.eval_every == 0 or step == args.num_steps:
             scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, d,
                                            args.prompt_template))
-        if engine_gap is not None:
-            scalars["charts/vllm_logprob_diff"] = engine_gap  # mean |log pi_old - log pi_vllm| per token
         logger.log(step, scalars)
         if step % args.log_samples_every == 0 or step == 1:
             logger.log_samples(step, [prompts[i // args.group_size] for i in range(n_seq)], rollout.texts,

@@ -78,7 +78,9 @@ class Args:
     vllm_gpu_memory_utilization: float = 0.3
     """--backend vllm on GPU: the share of GPU memory the engine may take (weights and KV cache)"""
     vllm_kv_cache_gib: int = 4
-    """--backend vllm on CPU: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE)"""
+    """--backend vllm on CPU: KV-cache size in GiB per process (VLLM_CPU_KVCACHE_SPACE)"""
+    vllm_sleep_mode: bool = False
+    """--backend vllm on GPU: free the engine's KV cache and move its weights to host memory during the update"""
     vllm_is_cap: float = 0.0
     """--backend vllm: weight each token by min(pi_old / pi_vllm, cap), truncated importance sampling (0: off)"""
     max_new_tokens: int = 256
@@ -195,18 +197,21 @@ def token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: float | Non
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float, num_tokens: float | None = None,
-                is_weights=None):
+                engine_logprobs=None, is_cap: float = 0.0):
     """Minus eq. 7's clipped surrogate, token-level aggregation.
 
     logprobs, old_logprobs, advantages, mask: (B, T); advantages are per token (GAE).
+    engine_logprobs (B, T), when vLLM sampled the tokens: the gap |log pi_old - log pi_vllm| is logged
+    and, with `is_cap` > 0, each token is weighted by min(pi_old / pi_vllm, is_cap) (truncated IS).
     """
     mask = mask.to(logprobs.dtype)
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages
     surrogate = torch.min(unclipped, clipped)
-    if is_weights is not None:  # truncated importance sampling for the engine/trainer mismatch (vLLM)
-        surrogate = surrogate * is_weights
+    engine_gap = None if engine_logprobs is None else old_logprobs - engine_logprobs
+    if engine_gap is not None and is_cap > 0:  # the engine/trainer mismatch: truncated importance sampling
+        surrogate = surrogate * engine_gap.exp().clamp(max=is_cap)
     loss = -token_mean(surrogate, mask, num_tokens)
     with torch.no_grad():
         log_ratio = logprobs - old_logprobs
@@ -216,6 +221,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float, num_t
             "approx_kl": token_mean(torch.exp(log_ratio) - 1 - log_ratio, mask, num_tokens).item(),  # k3 to old
             "ratio": token_mean(ratio, mask, num_tokens).item(),
         }
+        if engine_gap is not None:
+            stats["vllm_logprob_diff"] = token_mean(engine_gap.abs(), mask, num_tokens).item()
     return loss, stats
 
 
@@ -235,7 +242,7 @@ def value_loss(values, old_values, returns, mask, clip_value: float, num_tokens:
 # ----------------------------------------------------------------------------------------------------
 def update_policy(policy, critic, optimizer, critic_optimizer, rollout: common.Rollout, advantages, returns,
                   old_logprobs, old_values, args: Args, generator: torch.Generator, d: common.Dist,
-                  train_actor: bool = True, is_weights=None) -> dict:
+                  train_actor: bool = True) -> dict:
     """Minimise eq. 3: -eq. 7 + vf_coef * eq. 26 - ent_coef * entropy (eq. 4-5), token-level; mean stats.
 
     Each micro-batch divides its token sums by the token count of the whole minibatch over all
@@ -267,9 +274,9 @@ def update_policy(policy, critic, optimizer, critic_optimizer, rollout: common.R
                         logprobs, entropy = common.completion_logprobs(policy, *inputs, args.temperature,
                                                                        with_entropy=True,
                                                                        entropy_grad=args.ent_coef > 0)
+                        engine = None if rollout.logprobs is None else rollout.logprobs[idx]  # vLLM sampled them
                         pg_loss, pg_stats = policy_loss(logprobs, old_logprobs[idx], advantages[idx], mask[idx],
-                                                        args.clip_eps, num_tokens,
-                                                        None if is_weights is None else is_weights[idx])
+                                                        args.clip_eps, num_tokens, engine, args.vllm_is_cap)
                         entropy_bonus = token_mean(entropy, mask[idx], num_tokens)  # eq. 4
                         loss = pg_loss + loss - args.ent_coef * entropy_bonus
                         stats.update(pg_stats, policy_loss=pg_loss.item(), entropy=entropy_bonus.item())
@@ -378,7 +385,8 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
             correct = well_formed = [0.0] * len(rewards)
         rewards = torch.tensor(rewards, dtype=torch.float32, device=d.device)
 
-        zero_std_groups = (rewards.view(-1, args.group_size).std(1) == 0).sum().item()
+        # groups of equal rewards: only defined for --group-size >= 2 (PPO's default is one completion)
+        zero_std_groups = (rewards.view(-1, args.group_size).std(1) == 0).sum().item() if args.group_size > 1 else 0
 
         with common.Timer() as update_time, common.out_of_memory_hint("update", args):
             # ---- Old log-probs and values, reference log-probs -----------------------------------
@@ -389,10 +397,6 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
             old_values = common.batched_values(critic, rollout, args.micro_batch_size)
             ref_logprobs = common.batched_logprobs(
                 ref_model, rollout, args.micro_batch_size, args.temperature)[0] if args.beta > 0 else old_logprobs
-            # vLLM sampled the rollout in bf16 with its own kernels: measure its gap to pi_old and, with
-            # --vllm-is-cap, weight each token by min(pi_old / pi_vllm, cap) (truncated importance sampling)
-            engine_log_ratio, engine_gap = common.engine_log_ratio(policy, rollout, old_logprobs, args)
-            is_weights = engine_log_ratio.exp().clamp(max=args.vllm_is_cap) if args.vllm_is_cap else None
 
             # ---- Advantages: KL-penalised token rewards (eq. 8), GAE (eq. 21-22), whitening -------
             token_reward = token_rewards(rewards, old_logprobs, ref_logprobs, mask, args.beta)
@@ -403,7 +407,7 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
             # ---- Update (eq. 3: eq. 7 + eq. 26 - entropy) ----------------------------------------
             train_actor = step > args.critic_warmup_steps
             stats = update_policy(policy, critic, optimizer, critic_optimizer, rollout, advantages, returns,
-                                  old_logprobs, old_values, args, update_rng, d, train_actor, is_weights)
+                                  old_logprobs, old_values, args, update_rng, d, train_actor)
             if train_actor:
                 scheduler.step()
         with common.Timer() as sync_time:  # the generation engine samples from the new weights
@@ -435,7 +439,6 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
             "charts/format_rate": sums[2] / total_seq,
             "charts/response_length": total_tokens / total_seq,
             "charts/truncated_fraction": sums[6] / total_seq,
-            "charts/zero_std_fraction": sums[5] / (total_seq / args.group_size),
             "charts/advantage_mean": adv_mean,
             "charts/advantage_std": max(sums[8] / total_tokens - adv_mean**2, 0.0) ** 0.5,
             "charts/value_mean": sums[9] / total_tokens,
@@ -450,12 +453,12 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
             "time/step": step_time,
         }
         for k, v in zip(sorted(stats), sums[14:]):
-            scalars[("losses/" if k != "ratio" else "charts/") + k] = v / d.world_size
+            scalars[("charts/" if k in ("ratio", "vllm_logprob_diff") else "losses/") + k] = v / d.world_size
+        if args.group_size > 1:
+            scalars["charts/zero_std_fraction"] = sums[5] / (total_seq / args.group_size)
         if args.eval_every and step % args.eval_every == 0 or step == args.num_steps:
             scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, d,
                                            args.prompt_template))
-        if engine_gap is not None:
-            scalars["charts/vllm_logprob_diff"] = engine_gap  # mean |log pi_old - log pi_vllm| per token
         logger.log(step, scalars)
         if step % args.log_samples_every == 0 or step == 1:
             logger.log_samples(step, [prompts[i // args.group_size] for i in range(n_seq)], rollout.texts,

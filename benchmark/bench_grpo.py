@@ -47,7 +47,7 @@ def run_ours(a) -> dict:
            "generation_s": round(statistics.median(r["time/generation"] for r in steady), 3),
            "update_s": round(statistics.median(r["time/update"] for r in steady), 3),
            "peak_rss_mb": peak // 1024}  # the largest single process (per process under torchrun)
-    for key in ("charts/generation_batches", "time/regeneration"):
+    for key in ("charts/generation_batches", "time/regeneration", "time/weight_sync"):
         if key in steady[0]:
             out[key] = round(statistics.mean(r[key] for r in steady), 3)
     return out

@@ -12,16 +12,13 @@ import common
 import dapo
 import grpo
 from conftest import even_token_reward
-from test_grpo import run_update
+import test_grpo
+from test_grpo import assert_same_update_for_any_split
 
 
 # ---- Eq. 12: clipped surrogate with clip-higher ---------------------------------------------------------
 def one_token_loss(ratio: float, advantage: float, clip_low: float = 0.2, clip_high: float = 0.28):
-    logprobs = torch.tensor([[math.log(ratio)]], requires_grad=True)
-    loss, stats = dapo.policy_loss(logprobs, torch.zeros(1, 1), torch.tensor([advantage]), torch.ones(1, 1),
-                                   clip_low, clip_high)
-    loss.backward()
-    return loss.item(), logprobs.grad.item(), stats
+    return test_grpo.one_token_loss(ratio, advantage, clip_low, clip_high, policy_loss=dapo.policy_loss)
 
 
 def test_clip_higher_example_of_concepts():
@@ -150,12 +147,5 @@ def test_dapo_learns_a_toy_reward(peaked_model_dir, tmp_path):
 
 
 def test_update_is_the_same_for_any_split(tiny_model_dir, tmp_path):
-    # Token-level normalisation by the global count: one process on the whole batch, 2 DDP and 2 FSDP2
-    # processes with micro-batches of 3 + 1 agree.
-    whole = run_update("dapo", tiny_model_dir, tmp_path / "whole.pt", micro_batch_size=8, ent_coef=0.01)
-    two_processes = run_update("dapo", tiny_model_dir, tmp_path / "ddp.pt", nproc=2, micro_batch_size=3,
-                               ent_coef=0.01)
-    torch.testing.assert_close(two_processes, whole, atol=2e-6, rtol=1e-4)
-    sharded = run_update("dapo", tiny_model_dir, tmp_path / "fsdp.pt", nproc=2, micro_batch_size=3, ent_coef=0.01,
-                         fsdp=True)
-    torch.testing.assert_close(sharded, whole, atol=2e-6, rtol=1e-4)  # FSDP2 gives the same update
+    # token-level normalisation by the global count: micro-batches of 3 + 1 per process agree too
+    assert_same_update_for_any_split("dapo", tiny_model_dir, tmp_path, 3, ent_coef=0.01)

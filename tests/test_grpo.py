@@ -46,9 +46,12 @@ def test_kl_k3_values():
 
 
 # ---- Eq. 9: clipped surrogate, sample-level ---------------------------------------------------------
-def one_token_loss(ratio: float, advantage: float, clip_eps: float = 0.2):
+def one_token_loss(ratio: float, advantage: float, *clip, policy_loss=grpo.policy_loss):
+    """A one-token completion whose ratio pi/pi_old is `ratio`: the loss, its gradient wrt log pi, the stats.
+    `clip` and `policy_loss` default to GRPO's (eq. 9, epsilon 0.2); DAPO's tests pass eq. 12's."""
     logprobs = torch.tensor([[math.log(ratio)]], requires_grad=True)
-    loss, stats = grpo.policy_loss(logprobs, torch.zeros(1, 1), torch.tensor([advantage]), torch.ones(1, 1), clip_eps)
+    loss, stats = policy_loss(logprobs, torch.zeros(1, 1), torch.tensor([advantage]), torch.ones(1, 1),
+                              *(clip or (0.2,)))
     loss.backward()
     return loss.item(), logprobs.grad.item(), stats
 
@@ -76,14 +79,20 @@ def test_unclipped_side_keeps_its_gradient():
     assert stats["clipfrac"] == 0.0
 
 
-def test_importance_weights_scale_each_token_of_the_surrogate():
-    # --vllm-is-cap: ratio 1, A = +1 on two tokens of one sequence, weights 0.5 and 2 -> -(0.5 + 2) / 2
+def test_truncated_importance_weights_scale_each_token_of_the_surrogate():
+    # --vllm-is-cap 2: ratio 1, A = +1 on two tokens of one sequence; the engine gave them log-probs
+    # ln 2 and ln 1/3 above pi_old's (0): weights min(0.5, 2) and min(3, 2) -> -(0.5 + 2) / 2
     logprobs = torch.zeros(1, 2, requires_grad=True)
-    loss, _ = grpo.policy_loss(logprobs, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), 0.2,
-                               is_weights=torch.tensor([[0.5, 2.0]]))
+    engine = torch.tensor([[math.log(2.0), math.log(1 / 3)]])
+    loss, stats = grpo.policy_loss(logprobs, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), 0.2,
+                                   engine, is_cap=2.0)
     loss.backward()
     assert loss.item() == pytest.approx(-1.25)
     torch.testing.assert_close(logprobs.grad, torch.tensor([[-0.25, -1.0]]))
+    assert stats["vllm_logprob_diff"] == pytest.approx((math.log(2) + math.log(3)) / 2)  # logged either way
+    unweighted, off = grpo.policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2),
+                                       0.2, engine)  # is_cap 0: no correction, the gap still logged
+    assert unweighted.item() == pytest.approx(-1.0) and off["vllm_logprob_diff"] == stats["vllm_logprob_diff"]
 
 
 def test_sample_level_aggregation_weights_each_sequence_equally():
@@ -125,14 +134,20 @@ def run_update(algo, model_dir, out, nproc=1, **flags):
     return torch.load(out)
 
 
-@pytest.mark.parametrize("algo", ["grpo"])
-def test_update_is_the_same_for_any_split(algo, tiny_model_dir, tmp_path):
+def assert_same_update_for_any_split(algo, model_dir, tmp_path, split_micro_batch_size, **flags):
+    """One process on the whole batch of 8, then 2 DDP and 2 FSDP2 processes with micro-batches of
+    `split_micro_batch_size`: the same weights after the update (FSDP2 reduce-scatters instead)."""
+    whole = run_update(algo, model_dir, tmp_path / "whole.pt", micro_batch_size=8, **flags)
+    for fsdp in (False, True):
+        split = run_update(algo, model_dir, tmp_path / f"split-fsdp{fsdp}.pt", nproc=2,
+                           micro_batch_size=split_micro_batch_size, fsdp=fsdp, **flags)
+        torch.testing.assert_close(split, whole, atol=2e-6, rtol=1e-4, msg=lambda m: f"fsdp={fsdp}: {m}")
+    return whole
+
+
+def test_update_is_the_same_for_any_split(tiny_model_dir, tmp_path):
     start = torch.cat([t.flatten() for t in common.load_model(tiny_model_dir, torch.device("cpu")).state_dict().values()])
-    whole = run_update(algo, tiny_model_dir, tmp_path / "whole.pt", micro_batch_size=8)
+    whole = assert_same_update_for_any_split("grpo", tiny_model_dir, tmp_path, 2)
     assert (whole - start).abs().max() > 1e-2  # the update moved the weights
-    accumulated = run_update(algo, tiny_model_dir, tmp_path / "accum.pt", micro_batch_size=1)
+    accumulated = run_update("grpo", tiny_model_dir, tmp_path / "accum.pt", micro_batch_size=1)
     torch.testing.assert_close(accumulated, whole, atol=2e-6, rtol=1e-4)
-    two_processes = run_update(algo, tiny_model_dir, tmp_path / "ddp.pt", nproc=2, micro_batch_size=2)
-    torch.testing.assert_close(two_processes, whole, atol=2e-6, rtol=1e-4)
-    sharded = run_update(algo, tiny_model_dir, tmp_path / "fsdp.pt", nproc=2, micro_batch_size=2, fsdp=True)
-    torch.testing.assert_close(sharded, whole, atol=2e-6, rtol=1e-4)  # FSDP2: reduce-scatter, same update

@@ -58,7 +58,8 @@ def test_bad_flags_exit_with_a_one_line_error(script, flags, message, tmp_path):
     ("ppo", {"critic_warmup_steps": 9, "num_steps": 9}, "--critic-warmup-steps=9 is not allowed"),
     ("ppo", {"prompts_per_step": 3, "num_minibatches": 2}, "--num-minibatches=2 is not allowed"),
     ("ppo", {"keep_checkpoints": -1}, "--keep-checkpoints=-1 is not allowed: >= 0"),
-    ("grpo", {"backend": "vllm", "fsdp": True}, "--backend='vllm' is not allowed: 'hf' with --fsdp"),
+    ("grpo", {"backend": "vllm", "vllm_sleep_mode": True, "device": "cpu"},
+     "--vllm-sleep-mode=True is not allowed: off unless --backend vllm on a GPU"),
     ("dapo", {"vllm_is_cap": 2.0}, "--vllm-is-cap=2.0 is not allowed: 0 unless --backend vllm"),
 ])
 def test_flags_are_checked_before_anything_loads(algo, fields, message):
@@ -149,6 +150,7 @@ def test_ppo_runs_with_the_bundled_model(tmp_path):
     for key in ["losses/value_loss", "losses/value_clipfrac", "charts/explained_variance", "charts/value_mean",
                 "charts/return_mean", "losses/policy_loss", "losses/entropy", "charts/eval_accuracy"]:
         assert key in rows[-1], key
+    assert "charts/zero_std_fraction" not in rows[-1]  # one completion per prompt: no groups to compare
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     ckpt = os.path.join(run_dir, "checkpoint-2")

@@ -33,7 +33,7 @@ def main():
     prompts = [common.make_prompt(tok, t) for t in common.generate_tasks(4, 3)]
     result = {}
 
-    # 1. greedy vLLM (bf16 engine) against HF generate (fp32) on the same weights
+    # 1. greedy vLLM against HF generate on the same weights (both fp32 on CPU)
     v, rollout = greedy(engine, prompts)
     h, _ = greedy(hf, prompts)
     result["identical_greedy"] = sum(a == b for a, b in zip(v, h))

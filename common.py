@@ -582,6 +582,12 @@ def completion_mask_from_ids(completion_ids: torch.Tensor, stop_ids: list[int]) 
     return mask, reasons
 
 
+def encode_prompts(tokenizer, prompts: list[str], num_samples: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids and attention mask, each prompt repeated num_samples times (its group's rows)."""
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    return enc.input_ids.repeat_interleave(num_samples, 0), enc.attention_mask.repeat_interleave(num_samples, 0)
+
+
 class HFBackend:
     """`model.generate` with left padding and attention masks, on the training model itself."""
 
@@ -596,9 +602,7 @@ class HFBackend:
     def generate(self, prompts: list[str], num_samples: int, max_new_tokens: int, temperature: float,
                  top_p: float = 1.0, seed: int | None = None) -> Rollout:
         model, tok = unwrap(self.model), self.tokenizer
-        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-        prompt_ids = enc.input_ids.repeat_interleave(num_samples, 0)
-        prompt_mask = enc.attention_mask.repeat_interleave(num_samples, 0)
+        prompt_ids, prompt_mask = encode_prompts(tok, prompts, num_samples, model.device)
         if seed is not None:
             torch.manual_seed(seed)
         greedy = temperature == 0
@@ -664,7 +668,7 @@ class VLLMBackend:
         torch.set_num_threads(threads)  # the in-process engine lowers torch's thread count
         self.tied = bool(getattr(unwrap(model).config, "tie_word_embeddings", False))
         self.cpu = d.device.type == "cpu"
-        self.sleep_mode, self.asleep = bool(kwargs.get("enable_sleep_mode")), False
+        self.sleep_mode, self.asleep = args.vllm_sleep_mode and not self.cpu, False
 
     def wake_up(self) -> None:
         """Bring back what sleep mode released (weights, KV cache) before the engine is used again."""
@@ -679,34 +683,30 @@ class VLLMBackend:
 
         tok = self.tokenizer
         self.wake_up()
-        prompt_ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
+        prompt_ids, prompt_mask = encode_prompts(tok, prompts, num_samples, unwrap(self.model).device)
+        engine_prompts = [TokensPrompt(prompt_token_ids=ids[m.bool()].tolist())  # one per group, unpadded
+                          for ids, m in zip(prompt_ids[::num_samples], prompt_mask[::num_samples])]
         params = SamplingParams(n=num_samples, temperature=temperature, top_p=top_p if temperature else 1.0,
                                 top_k=-1 if temperature else 1, max_tokens=max_new_tokens, seed=seed, logprobs=0,
                                 stop_token_ids=self.stop_ids, skip_special_tokens=True)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], params,
-                                    use_tqdm=False)
+        outputs = self.llm.generate(engine_prompts, params, use_tqdm=False)
         if self.sleep_mode:  # level 1: weights to host memory, KV cache (and prefix cache) freed for the update
             self.llm.sleep(level=1)
             self.asleep = True
-        rows = [(ids, c) for ids, out in zip(prompt_ids, outputs) for c in out.outputs]
-        P = max(len(ids) for ids, _ in rows)
-        T = max(max(len(c.token_ids) for _, c in rows), 1)
-        pad = tok.pad_token_id
-        prompt_t = torch.full((len(rows), P), pad, dtype=torch.long)
-        prompt_mask = torch.zeros((len(rows), P), dtype=torch.long)
-        completion = torch.full((len(rows), T), pad, dtype=torch.long)
-        completion_mask = torch.zeros((len(rows), T), dtype=torch.long)
-        logprobs = torch.zeros((len(rows), T))
-        for i, (ids, c) in enumerate(rows):
-            prompt_t[i, P - len(ids):], prompt_mask[i, P - len(ids):] = torch.tensor(ids), 1
+        samples = [c for out in outputs for c in out.outputs]  # the group's num_samples rows, in prompt order
+        T = max(max(len(c.token_ids) for c in samples), 1)
+        completion = torch.full((len(samples), T), tok.pad_token_id, dtype=torch.long)
+        completion_mask = torch.zeros((len(samples), T), dtype=torch.long)
+        logprobs = torch.zeros((len(samples), T))
+        for i, c in enumerate(samples):
             n = len(c.token_ids)
             completion[i, :n], completion_mask[i, :n] = torch.tensor(c.token_ids, dtype=torch.long), 1
             logprobs[i, :n] = torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
-        texts = tok.batch_decode([c.token_ids for _, c in rows], skip_special_tokens=True)
-        reasons = ["stop" if c.finish_reason == "stop" else "length" for _, c in rows]
-        device = unwrap(self.model).device
-        return Rollout(prompt_t.to(device), prompt_mask.to(device), completion.to(device),
-                       completion_mask.to(device), texts, reasons, logprobs.to(device))
+        texts = tok.batch_decode([c.token_ids for c in samples], skip_special_tokens=True)
+        reasons = ["stop" if c.finish_reason == "stop" else "length" for c in samples]
+        device = prompt_ids.device
+        return Rollout(prompt_ids, prompt_mask, completion.to(device), completion_mask.to(device), texts, reasons,
+                       logprobs.to(device))
 
     @torch.no_grad()
     def sync_weights(self, model) -> None:

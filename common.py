@@ -101,6 +101,8 @@ def check_common_args(args, world_size: int = 1) -> None:
     require(args.vllm_is_cap == 0 or args.backend == "vllm", "vllm_is_cap", args.vllm_is_cap,
             "0 unless --backend vllm (HF generation samples from the trained model itself)")
     require(args.device in ("auto", "cpu", "cuda"), "device", args.device, "'auto', 'cpu' or 'cuda'")
+    require(args.compute_dtype in ("auto", "bfloat16", "float32"), "compute_dtype", args.compute_dtype,
+            "'auto', 'bfloat16' or 'float32'")
     require(args.prompts_per_step % world_size == 0, "prompts_per_step", args.prompts_per_step,
             f"a multiple of the number of processes ({world_size})")
     local_sequences = args.prompts_per_step // world_size * args.group_size
@@ -256,23 +258,45 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    """--compute-dtype: `auto` is bfloat16 on a GPU and float32 on a CPU (no bf16 matrix units on most)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
 def load_model(path: str, device: torch.device, gradient_checkpointing: bool = False, trainable: bool = True,
-               fp32: bool = False):
-    """float32 on CPU, bfloat16 on GPU (float32 master weights with `fp32`, for FSDP2's mixed
-    precision); eval mode and no dropout (log-probs must match generation)."""
+               dtype: torch.dtype = torch.float32):
+    """A causal LM with float32 weights (so AdamW's small steps are not rounded away) whose forward runs
+    in `dtype` (autocast_forward); eval mode and no dropout (log-probs must match generation)."""
     from transformers import AutoModelForCausalLM
 
-    dtype = torch.bfloat16 if device.type == "cuda" and not fp32 else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     disable_dropout(model)
     model.eval()
-    model.generation_config.pad_token_id = model.generation_config.pad_token_id or model.config.eos_token_id
     if trainable and gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if not trainable:
         model.requires_grad_(False)
+    return autocast_forward(model, dtype)
+
+
+def autocast_forward(model, dtype: torch.dtype):
+    """The mixed-precision recipe, in one place: float32 weights, gradients and optimizer state, and a
+    forward (hence backward) whose matrix products run in `dtype` under torch.autocast, as accelerate's
+    `mixed_precision="bf16"` does. Softmax, norms and losses stay in float32 under autocast."""
+    model.compute_dtype = dtype
+    if dtype != torch.float32:
+        model.forward = torch.autocast(model.device.type, dtype=dtype)(model.forward)
     return model
+
+
+def autocast_region(model):
+    """One autocast region around many forwards of `model` (a whole `generate`), so the bfloat16 copies
+    of its weights are cast once per region instead of once per decoded token."""
+    dtype = getattr(unwrap(model), "compute_dtype", torch.float32)
+    return torch.autocast(unwrap(model).device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
 def disable_dropout(model) -> None:
@@ -282,21 +306,22 @@ def disable_dropout(model) -> None:
             module.p = 0.0
 
 
-def load_value_model(path: str, device: torch.device, gradient_checkpointing: bool = False, fp32: bool = False):
+def load_value_model(path: str, device: torch.device, gradient_checkpointing: bool = False,
+                     dtype: torch.dtype = torch.float32):
     """PPO's critic: the same pretrained backbone with a new scalar head on every token
-    (AutoModelForTokenClassification, num_labels=1, as verl does); no dropout in the head."""
+    (AutoModelForTokenClassification, num_labels=1, as verl does); no dropout in the head; float32
+    weights and a `dtype` forward, as load_model."""
     from transformers import AutoConfig, AutoModelForTokenClassification
 
-    dtype = torch.bfloat16 if device.type == "cuda" and not fp32 else torch.float32
     _quiet_transformers()  # the new head is "newly initialized", as intended
     config = AutoConfig.from_pretrained(path, num_labels=1)
     config.classifier_dropout = 0.0  # dropout would make V differ between the rollout and the update
-    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype).to(device)
+    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32).to(device)
     disable_dropout(model)
     model.eval()
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
+    return autocast_forward(model, dtype)
 
 
 def unwrap(model):
@@ -316,8 +341,8 @@ def is_sharded(model) -> bool:
 
 def parallelize(model, d: Dist, fsdp: bool = False, cpu_offload: bool = False):
     """DDP for a trained model, or FSDP2: `fully_shard` on each decoder layer, then on the whole model,
-    bf16 compute with fp32 weights and gradient reductions on GPU, optionally parameters, gradients and
-    optimizer states in CPU memory. A frozen model (the reference) is sharded with --fsdp, else kept as is."""
+    float32 weights and gradient reductions with the model's compute dtype (autocast_forward) for the
+    gathered parameters, optionally parameters, gradients and optimizer states in CPU memory. A frozen model (the reference) is sharded with --fsdp, else kept as is."""
     if not d.enabled:
         return model
     trainable = any(p.requires_grad for p in model.parameters())
@@ -325,8 +350,9 @@ def parallelize(model, d: Dist, fsdp: bool = False, cpu_offload: bool = False):
         return DDP(model) if trainable else model
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-              if d.device.type == "cuda" else MixedPrecisionPolicy()}
+    # the same recipe as autocast_forward: parameters gathered in the compute dtype, float32 reductions
+    dtype = getattr(model, "compute_dtype", torch.float32)
+    kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in model.base_model.layers:
@@ -442,8 +468,8 @@ def load_countdown(dataset: str, test_size: int, seed: int, train_size: int = 20
                    ) -> tuple[list[dict], list[dict]]:
     """(train, test). The test split is fixed (independent of the seed) and never used for training.
 
-    `dataset`: 'generated' (offline generator), a .jsonl/.parquet file, or a hub dataset id. For files
-    and the hub, the last `test_size` rows are the test split, as TinyZero holds them out.
+    `dataset`: 'generated' (offline generator), a .jsonl/.parquet file, or a hub dataset id; split_tasks
+    holds the test rows out.
     """
     if dataset == "generated":
         test = generate_tasks(test_size, 10**9 + 7, min_numbers, max_numbers, max_value, operators)
@@ -466,6 +492,22 @@ def load_countdown(dataset: str, test_size: int, seed: int, train_size: int = 20
         if not {"nums", "target"} <= set(ds.column_names):
             raise ConfigError(f"--dataset={dataset!r} is not allowed: it lacks the 'nums' and 'target' columns")
         rows = [{"nums": [int(x) for x in r["nums"]], "target": int(r["target"])} for r in ds]
+    return split_tasks(rows, dataset, test_size)
+
+
+TINYZERO_TRAIN_ROWS = 327680
+"""TinyZero trains on the first 327,680 rows of Jiayi-Pan/Countdown-Tasks-3to4 and tests on the 1,024 after them."""
+
+
+def split_tasks(rows: list[dict], dataset: str, test_size: int) -> tuple[list[dict], list[dict]]:
+    """(train, test) rows. The hub dataset is split as TinyZero splits it (test: the `test_size` rows after
+    its training rows, so held-out numbers compare with TinyZero's and nothing trains on its test rows);
+    any other source holds out its last `test_size` rows."""
+    if dataset == HUB_DATASET:
+        if len(rows) < TINYZERO_TRAIN_ROWS + test_size:
+            raise ConfigError(f"--test-size={test_size} is not allowed: {dataset} has {len(rows)} rows, TinyZero's "
+                              f"split needs {TINYZERO_TRAIN_ROWS} training rows and {test_size} after them")
+        return rows[:TINYZERO_TRAIN_ROWS], rows[TINYZERO_TRAIN_ROWS:TINYZERO_TRAIN_ROWS + test_size]
     if len(rows) <= test_size:
         raise ConfigError(f"--test-size={test_size} is not allowed: the dataset has only {len(rows)} rows")
     return rows[:-test_size], rows[-test_size:]
@@ -588,8 +630,38 @@ def encode_prompts(tokenizer, prompts: list[str], num_samples: int, device) -> t
     return enc.input_ids.repeat_interleave(num_samples, 0), enc.attention_mask.repeat_interleave(num_samples, 0)
 
 
+def sampling_config(temperature: float, top_p: float, max_new_tokens: int, stop_ids: list[int], pad_token_id: int):
+    """A GenerationConfig that samples from exactly the distribution the flags describe, softmax(logits /
+    temperature) cut to top_p (greedy at temperature 0), and nothing else: every logits processor that a
+    checkpoint's generation_config.json may turn on (repetition penalty, top-k, min-p, n-gram blocking...)
+    is set to its neutral value, so that the ratio, the KL and the gradient see the sampler's distribution."""
+    from transformers import GenerationConfig
+
+    greedy = temperature == 0
+    return GenerationConfig(
+        do_sample=not greedy, temperature=1.0 if greedy else temperature, top_p=1.0 if greedy else top_p, top_k=0,
+        min_p=None, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0,
+        encoder_repetition_penalty=1.0, no_repeat_ngram_size=0, bad_words_ids=None, suppress_tokens=None,
+        begin_suppress_tokens=None, forced_bos_token_id=None, forced_eos_token_id=None, sequence_bias=None,
+        exponential_decay_length_penalty=None, min_length=0, min_new_tokens=None, max_new_tokens=max_new_tokens,
+        renormalize_logits=False, num_beams=1, eos_token_id=stop_ids, pad_token_id=pad_token_id, use_cache=True)
+
+
+@contextlib.contextmanager
+def only_generation_config(model, config):
+    """transformers fills every field a config leaves unset from model.generation_config (the checkpoint's
+    generation_config.json): for the length of a generate call that is `config` itself."""
+    saved = model.generation_config
+    model.generation_config = config
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
 class HFBackend:
-    """`model.generate` with left padding and attention masks, on the training model itself."""
+    """`model.generate` with left padding and attention masks, on the training model itself, in the same
+    compute dtype as the log-prob pass (autocast_region) and with `sampling_config`'s settings only."""
 
     def __init__(self, model, tokenizer, generation_batch_size: int = 64):
         self.model, self.tokenizer = model, tokenizer
@@ -600,24 +672,30 @@ class HFBackend:
 
     @torch.no_grad()
     def generate(self, prompts: list[str], num_samples: int, max_new_tokens: int, temperature: float,
-                 top_p: float = 1.0, seed: int | None = None) -> Rollout:
+                 top_p: float = 1.0, seed: int | None = None, return_logprobs: bool = False) -> Rollout:
+        """`return_logprobs`: also the sampled tokens' log-probs under the sampler's processed scores, in
+        Rollout.logprobs (a check: it holds a (batch, vocabulary) score tensor per generated token)."""
         model, tok = unwrap(self.model), self.tokenizer
         prompt_ids, prompt_mask = encode_prompts(tok, prompts, num_samples, model.device)
         if seed is not None:
             torch.manual_seed(seed)
-        greedy = temperature == 0
-        sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": 0}
+        config = sampling_config(temperature, top_p, max_new_tokens, self.stop_ids, tok.pad_token_id)
+        config.output_scores = config.return_dict_in_generate = return_logprobs
         was_training, use_cache = model.training, model.config.use_cache
         model.eval()
         model.config.use_cache = True  # gradient checkpointing turns the cache off for training
-        chunks = []
-        for i in range(0, len(prompt_ids), self.generation_batch_size):
-            ids = prompt_ids[i:i + self.generation_batch_size]
-            mask = prompt_mask[i:i + self.generation_batch_size]
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=not greedy, synced_gpus=self.synced,
-                                 max_new_tokens=max_new_tokens, eos_token_id=self.stop_ids,
-                                 pad_token_id=tok.pad_token_id, use_cache=True, **sampling)
-            chunks.append(out[:, ids.shape[1]:])
+        chunks, logprob_chunks = [], []
+        with only_generation_config(model, config), autocast_region(model):
+            for i in range(0, len(prompt_ids), self.generation_batch_size):
+                ids = prompt_ids[i:i + self.generation_batch_size]
+                mask = prompt_mask[i:i + self.generation_batch_size]
+                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                                     synced_gpus=self.synced)
+                sequences = out.sequences if return_logprobs else out
+                chunks.append(sequences[:, ids.shape[1]:])
+                if return_logprobs:
+                    scores = torch.stack(out.scores, 1).float().log_softmax(-1)  # (B, T, vocab)
+                    logprob_chunks.append(scores.gather(-1, chunks[-1].unsqueeze(-1)).squeeze(-1))
         model.config.use_cache = use_cache
         model.train(was_training)
         width = max(c.shape[1] for c in chunks)
@@ -626,8 +704,11 @@ class HFBackend:
         completion_ids = completion_ids.masked_fill(completion_mask == 0, tok.pad_token_id)
         texts = tok.batch_decode(completion_ids * completion_mask + tok.pad_token_id * (1 - completion_mask),
                                  skip_special_tokens=True)
-        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, texts, reasons)
-
+        logprobs = None
+        if return_logprobs:
+            logprobs = torch.cat([F.pad(c, (0, width - c.shape[1])) for c in logprob_chunks])
+            logprobs = logprobs.masked_fill(completion_mask == 0, 0.0)
+        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, texts, reasons, logprobs)
 
     def sync_weights(self, model) -> None:
         """Nothing to do: HF generation runs on the trained model itself."""
@@ -659,12 +740,12 @@ class VLLMBackend:
                           enable_sleep_mode=args.vllm_sleep_mode)
         if d.world_size > 1:  # one engine per torchrun process, each on its own prompts (as TRL's colocate mode)
             kwargs["distributed_executor_backend"] = "external_launcher"
-        # The trainer's compute dtype: bf16 on GPU; fp32 on CPU, where bf16 matmuls without AVX512-BF16 run
-        # about 4x slower (measured, README) and fp32 keeps small updates that bf16 would round away.
-        dtype = "bfloat16" if d.device.type == "cuda" else "float32"
+        # The trainer's compute dtype (--compute-dtype): the engine samples in the precision of the log-prob pass
+        dtype = "bfloat16" if getattr(unwrap(model), "compute_dtype", torch.float32) == torch.bfloat16 else "float32"
         self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=args.seed + d.rank,
                        enforce_eager=True, max_model_len=self.max_model_len, enable_prefix_caching=True,
-                       logprobs_mode="processed_logprobs", **kwargs)  # log-probs at the sampling temperature
+                       logprobs_mode="processed_logprobs",  # log-probs at the sampling temperature
+                       generation_config="vllm", **kwargs)  # not the checkpoint's sampling defaults
         torch.set_num_threads(threads)  # the in-process engine lowers torch's thread count
         self.tied = bool(getattr(unwrap(model).config, "tie_word_embeddings", False))
         self.cpu = d.device.type == "cpu"
@@ -686,9 +767,11 @@ class VLLMBackend:
         prompt_ids, prompt_mask = encode_prompts(tok, prompts, num_samples, unwrap(self.model).device)
         engine_prompts = [TokensPrompt(prompt_token_ids=ids[m.bool()].tolist())  # one per group, unpadded
                           for ids, m in zip(prompt_ids[::num_samples], prompt_mask[::num_samples])]
+        # every setting explicit, the neutral value where the flags say nothing (as sampling_config for HF)
         params = SamplingParams(n=num_samples, temperature=temperature, top_p=top_p if temperature else 1.0,
-                                top_k=-1 if temperature else 1, max_tokens=max_new_tokens, seed=seed, logprobs=0,
-                                stop_token_ids=self.stop_ids, skip_special_tokens=True)
+                                top_k=-1 if temperature else 1, min_p=0.0, repetition_penalty=1.0,
+                                presence_penalty=0.0, frequency_penalty=0.0, min_tokens=0, max_tokens=max_new_tokens,
+                                seed=seed, logprobs=0, stop_token_ids=self.stop_ids, skip_special_tokens=True)
         outputs = self.llm.generate(engine_prompts, params, use_tqdm=False)
         if self.sleep_mode:  # level 1: weights to host memory, KV cache (and prefix cache) freed for the update
             self.llm.sleep(level=1)

@@ -52,12 +52,15 @@ class Args:
     """under torchrun, shard weights, gradients and optimizer states with FSDP2 instead of DDP's replicas"""
     fsdp_cpu_offload: bool = False
     """with --fsdp, keep the shards and the optimizer step in CPU memory"""
+    compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """dtype of the forward and backward (`auto`: bfloat16 on a GPU, float32 on a CPU); weights, gradients and AdamW
+    state stay float32 (bf16 weights would round most of a 1e-6 update away)"""
 
     # Data
     dataset: str = "generated"
     """`generated` (offline, solvable tasks), a .jsonl/.parquet file with nums and target, or a hub id (Jiayi-Pan/Countdown-Tasks-3to4)"""
     test_size: int = 1024
-    """held-out tasks never trained on (the last rows of a file or hub dataset)"""
+    """held-out tasks never trained on: the last rows of a file; of Jiayi-Pan/Countdown-Tasks-3to4, TinyZero's (the rows after its 327,680 training rows)"""
     eval_size: int = 128
     """how many of the held-out tasks each greedy evaluation uses"""
     task_min_numbers: int = 3
@@ -118,8 +121,9 @@ class Args:
     """epsilon in the advantage's denominator (eq. 10)"""
     update_epochs: int = 1
     """passes over each generation batch"""
-    num_minibatches: int = 1
-    """optimizer steps per pass; with 1 epoch and 1 minibatch the update is on-policy (ratio 1)"""
+    num_minibatches: int = 4
+    """optimizer steps per pass, each on 1/N of the batch (verl's ppo_mini_batch_size = prompts-per-step / N). After
+    the first, pi_theta has moved from pi_old and clipping acts; 1 epoch of 1 minibatch is on-policy: ratio 1, no clipping"""
     micro_batch_size: int = 8
     """sequences per forward/backward (gradient accumulation); lower it when out of memory"""
     max_skipped_steps: int = 3
@@ -129,7 +133,10 @@ class Args:
 
     # DAPO's techniques (clip-higher is clip_high above)
     dynamic_sampling: bool = True
-    """drop groups whose rewards are all equal and generate more prompts until the step is full (paper's best: off)"""
+    """drop groups whose completions all score the same and generate more prompts until the step is full (paper's best: off)"""
+    dynamic_sampling_metric: Literal["accuracy", "reward"] = "accuracy"
+    """what dynamic sampling compares: `accuracy` (DAPO, verl's `filter_groups.metric=acc`) drops groups all right or
+    all wrong; `reward` drops only groups of equal shaped rewards (format score and overlong penalty count)"""
     max_generation_batches: int = 4
     """dynamic sampling: most generation batches per step; then train on the informative groups there are"""
     ent_coef: float = 0.0
@@ -155,22 +162,41 @@ class Args:
 # ----------------------------------------------------------------------------------------------------
 # DAPO's mathematics
 # ----------------------------------------------------------------------------------------------------
+LOG_RATIO_LIMIT = 20.0
+"""log-ratios are clamped to +-this before exp: e^20 is large but finite, e^95 * 0 would be NaN"""
+KL_LIMIT = 10.0
+"""the k3 KL estimate of one token is clamped to at most this (verl's bound)"""
+
+
+def equal_reward_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """One bool per group of `group_size` contiguous rewards: are they all exactly equal? Such a group
+    carries no learning signal (eq. 10 is 0/0); a float std is no test, its round-off is not 0."""
+    grouped = rewards.view(-1, group_size)
+    return (grouped == grouped[:, :1]).all(dim=1)
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
     """Eq. 10: A_i = (r_i - mean(r)) / (std(r) + eps) within each group of `group_size` contiguous rewards.
 
-    std is the population standard deviation (divide by G), as in concepts.txt's worked example; a
-    group whose rewards are all equal gets advantage 0 (numerator 0), never NaN.
+    std is the population standard deviation (divide by G), as in concepts.txt's worked example.
+    Computed in float32 whatever the rewards' dtype; a group whose rewards are all equal gets exactly
+    0 (in float32, [0.1] * 8 would otherwise give -0.0075 from the round-off of its mean).
     """
-    grouped = rewards.view(-1, group_size)
+    grouped = rewards.float().view(-1, group_size)
     mean = grouped.mean(dim=1, keepdim=True)
     std = grouped.std(dim=1, keepdim=True, unbiased=False)
-    return ((grouped - mean) / (std + eps)).view(-1)
+    advantages = (grouped - mean) / (std + eps)
+    uniform = equal_reward_groups(rewards, group_size).unsqueeze(1)
+    return torch.where(uniform, torch.zeros_like(advantages), advantages).view(-1)
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Eq. 11, per token: pi_ref/pi - log(pi_ref/pi) - 1 >= 0 (Schulman's k3 estimator)."""
-    log_ratio = ref_logprobs - logprobs
-    return torch.exp(log_ratio) - log_ratio - 1
+    """Eq. 11, per token: pi_ref/pi - log(pi_ref/pi) - 1 >= 0 (Schulman's k3 estimator).
+
+    As verl does, the log-ratio is clamped to +-20 before exp (a padded position may hold anything)
+    and the estimate to at most 10 (one token's outlier cannot dominate the batch's KL)."""
+    log_ratio = (ref_logprobs - logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    return (torch.exp(log_ratio) - log_ratio - 1).clamp(max=KL_LIMIT)
 
 
 def token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: float | None = None) -> torch.Tensor:
@@ -179,7 +205,7 @@ def token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: float | Non
     whole batch when this is one micro-batch or one process's share of it; default: this mask's count."""
     if num_tokens is None:
         num_tokens = mask.sum().clamp(min=1)
-    return (values * mask).sum() / num_tokens
+    return torch.where(mask.bool(), values, 0.0).sum() / num_tokens
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low: float, clip_high: float,
@@ -191,7 +217,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low: float, clip_
     and, with `is_cap` > 0, each token is weighted by min(pi_old / pi_vllm, is_cap) (truncated IS).
     """
     mask = mask.to(logprobs.dtype)
-    ratio = torch.exp(logprobs - old_logprobs)
+    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    ratio = torch.exp(log_ratio)
     adv = advantages.unsqueeze(-1)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * adv
@@ -201,7 +228,6 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low: float, clip_
         surrogate = surrogate * engine_gap.exp().clamp(max=is_cap)
     loss = -token_mean(surrogate, mask, num_tokens)
     with torch.no_grad():
-        log_ratio = logprobs - old_logprobs
         stats = {
             "surrogate": token_mean(surrogate, mask, num_tokens).item(),
             "clipfrac": token_mean((clipped < unclipped).to(mask.dtype), mask, num_tokens).item(),
@@ -221,9 +247,10 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, pe
 
 def dynamic_sampling(sample_batch: Callable[[], torch.Tensor], num_groups: int, group_size: int,
                      max_generation_batches: int, d: common.Dist) -> list[tuple[int, int, bool]]:
-    """DAPO's dynamic sampling: drop groups whose rewards are all equal (their eq. 10 advantages are 0)
-    and call sample_batch() (fresh prompts; returns their rewards) until every process has num_groups
-    informative groups, or max_generation_batches batches were generated.
+    """DAPO's dynamic sampling: drop groups whose filter metric (accuracy, as DAPO and verl's recipe
+    filter; or the shaped reward) is the same for every completion, and call sample_batch() (fresh
+    prompts; returns that metric per completion) until every process has num_groups informative groups,
+    or max_generation_batches batches were generated.
 
     Returns num_groups (generation batch, group, in_loss) triples: the informative groups, then, if
     the limit was hit, uninformative ones with in_loss False that only keep the batch shape the same on
@@ -231,8 +258,7 @@ def dynamic_sampling(sample_batch: Callable[[], torch.Tensor], num_groups: int, 
     """
     informative, uninformative = [], []
     for batch in range(max_generation_batches):
-        rewards = sample_batch().view(-1, group_size)
-        for group, all_equal in enumerate((rewards == rewards[:, :1]).all(1).tolist()):
+        for group, all_equal in enumerate(equal_reward_groups(sample_batch(), group_size).tolist()):
             (uninformative if all_equal else informative).append((batch, group))
         missing = common.all_reduce_sum([max(0, num_groups - len(informative))], d)[0]
         if missing == 0:
@@ -326,8 +352,9 @@ class GenerationBatch(NamedTuple):
     seconds: float
 
 
-RewardFn = Callable[[common.Rollout, list], list]
-"""(rollout, tasks aligned with its rows) -> one float per completion; the default scores Countdown."""
+RewardFn = Callable[[common.Rollout, list], tuple[list, list, list]]
+"""(rollout, tasks aligned with its rows) -> (reward, correct, well_formed), each one float per completion;
+the default scores Countdown with countdown_reward.py."""
 
 
 def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
@@ -335,6 +362,9 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
     if args.resume:  # the run's own configuration, its folder, and the state of its newest checkpoint
         args, checkpoint = common.resume_args(args, Args(), args.resume)
     check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    if reward_fn is None:  # Countdown (countdown_reward.py)
+        reward_fn = lambda rollout, tasks: common.countdown_rewards(  # noqa: E731
+            rollout.texts, tasks, args.format_score, args.answer_score)
     d = common.setup_distributed(args.device)
     common.seed_everything(args.seed)
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -345,8 +375,9 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
     # Model, reference model (only when the KL term is on), optimizer
     model_path = common.resolve_model(args.model)
     tokenizer = common.load_tokenizer(model_path)
-    policy = common.load_model(str(checkpoint or model_path), d.device, args.gradient_checkpointing, fp32=args.fsdp)
-    ref_model = common.load_model(model_path, d.device, trainable=False) if args.beta > 0 else None
+    dtype = common.compute_dtype(args.compute_dtype, d.device)  # float32 weights, `dtype` matrix products
+    policy = common.load_model(str(checkpoint or model_path), d.device, args.gradient_checkpointing, dtype=dtype)
+    ref_model = common.load_model(model_path, d.device, trainable=False, dtype=dtype) if args.beta > 0 else None
     policy = common.parallelize(policy, d, args.fsdp, args.fsdp_cpu_offload)  # DDP, or FSDP2 with --fsdp
     ref_model = common.parallelize(ref_model, d, args.fsdp) if ref_model is not None else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
@@ -383,21 +414,16 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
             group_tasks = [t for t in tasks for _ in range(args.group_size)]
 
             # ---- Reward, with the soft overlong punishment ------------------------------------------
-            if reward_fn is None:
-                rewards, correct, well_formed = common.countdown_rewards(
-                    rollout.texts, group_tasks, args.format_score, args.answer_score)
-            else:
-                rewards = reward_fn(rollout, group_tasks)
-                correct = well_formed = [0.0] * len(rewards)
+            rewards, correct, well_formed = reward_fn(rollout, group_tasks)
             rewards = torch.tensor(rewards, dtype=torch.float32, device=d.device)
             if args.overlong_buffer > 0:
                 rewards += overlong_penalty(rollout.completion_lengths.to(rewards), args.max_new_tokens,
                                             args.overlong_buffer, args.overlong_penalty)
             batches.append(GenerationBatch(prompts, rollout, rewards, correct, well_formed,
                                            time.perf_counter() - batch_start))
-            return rewards
+            return torch.tensor(correct, device=d.device) if args.dynamic_sampling_metric == "accuracy" else rewards
 
-        # ---- Dynamic sampling: only groups whose rewards differ, more prompts until the step is full ----
+        # ---- Dynamic sampling: only informative groups, more prompts until the step is full --------------
         with common.Timer() as generation_time, common.out_of_memory_hint("generation", args):
             if args.dynamic_sampling:
                 groups = dynamic_sampling(sample_batch, local_prompts, args.group_size,
@@ -445,7 +471,7 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
         step_time = time.perf_counter() - step_start
         generated = torch.cat([b.rewards for b in batches])
         n_seq, n_tokens = len(generated), sum(b.rollout.completion_lengths.sum().item() for b in batches)
-        zero_std_groups = sum((b.rewards.view(-1, G).std(1) == 0).sum().item() for b in batches)
+        zero_std_groups = sum(equal_reward_groups(b.rewards, G).sum().item() for b in batches)
         trained = advantages[kept]
         sums = common.all_reduce_sum(
             [generated.sum().item(), sum(sum(b.correct) for b in batches), sum(sum(b.well_formed) for b in batches),

@@ -53,12 +53,15 @@ class Args:
     """under torchrun, shard weights, gradients and optimizer states with FSDP2 instead of DDP's replicas"""
     fsdp_cpu_offload: bool = False
     """with --fsdp, keep the shards and the optimizer step in CPU memory"""
+    compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """dtype of the forward and backward (`auto`: bfloat16 on a GPU, float32 on a CPU); weights, gradients and AdamW
+    state stay float32 (bf16 weights would round most of a 1e-6 update away)"""
 
     # Data
     dataset: str = "generated"
     """`generated` (offline, solvable tasks), a .jsonl/.parquet file with nums and target, or a hub id (Jiayi-Pan/Countdown-Tasks-3to4)"""
     test_size: int = 1024
-    """held-out tasks never trained on (the last rows of a file or hub dataset)"""
+    """held-out tasks never trained on: the last rows of a file; of Jiayi-Pan/Countdown-Tasks-3to4, TinyZero's (the rows after its 327,680 training rows)"""
     eval_size: int = 128
     """how many of the held-out tasks each greedy evaluation uses"""
     task_min_numbers: int = 3
@@ -131,8 +134,9 @@ class Args:
     """c2 of eq. 3 (entropy bonus, eq. 4-5); paper 3.1: a bonus explores more but lowered accuracy"""
     update_epochs: int = 1
     """passes over each generation batch"""
-    num_minibatches: int = 1
-    """optimizer steps per pass; with 1 epoch and 1 minibatch the update is on-policy (ratio 1)"""
+    num_minibatches: int = 4
+    """optimizer steps per pass, each on 1/N of the batch (verl's ppo_mini_batch_size = prompts-per-step / N). After
+    the first, pi_theta has moved from pi_old and clipping acts; 1 epoch of 1 minibatch is on-policy: ratio 1, no clipping"""
     micro_batch_size: int = 8
     """sequences per forward/backward (gradient accumulation); lower it when out of memory"""
     max_skipped_steps: int = 3
@@ -154,10 +158,14 @@ class Args:
 # ----------------------------------------------------------------------------------------------------
 # PPO's mathematics
 # ----------------------------------------------------------------------------------------------------
+LOG_RATIO_LIMIT = 20.0
+"""log-ratios are clamped to +-this before exp: e^20 is large but finite, e^95 * 0 would be NaN"""
+
+
 def token_rewards(scores: torch.Tensor, logprobs, ref_logprobs, mask, beta: float) -> torch.Tensor:
     """Eq. 8 per token: r_t = -beta * log(pi(o_t) / pi_ref(o_t)), plus the Countdown score on the last
     valid token of each completion. scores: (B,); logprobs, ref_logprobs, mask: (B, T)."""
-    rewards = -beta * (logprobs - ref_logprobs) * mask
+    rewards = torch.where(mask.bool(), -beta * (logprobs - ref_logprobs), 0.0)
     last = (mask.sum(-1).long() - 1).clamp(min=0)
     return rewards.scatter_add(-1, last.unsqueeze(-1), scores.unsqueeze(-1).to(rewards.dtype))
 
@@ -193,7 +201,7 @@ def token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: float | Non
     share of it; default: this mask's count."""
     if num_tokens is None:
         num_tokens = mask.sum().clamp(min=1)
-    return (values * mask).sum() / num_tokens
+    return torch.where(mask.bool(), values, 0.0).sum() / num_tokens
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float, num_tokens: float | None = None,
@@ -205,7 +213,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float, num_t
     and, with `is_cap` > 0, each token is weighted by min(pi_old / pi_vllm, is_cap) (truncated IS).
     """
     mask = mask.to(logprobs.dtype)
-    ratio = torch.exp(logprobs - old_logprobs)
+    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages
     surrogate = torch.min(unclipped, clipped)
@@ -214,7 +223,6 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float, num_t
         surrogate = surrogate * engine_gap.exp().clamp(max=is_cap)
     loss = -token_mean(surrogate, mask, num_tokens)
     with torch.no_grad():
-        log_ratio = logprobs - old_logprobs
         stats = {
             "surrogate": token_mean(surrogate, mask, num_tokens).item(),
             "clipfrac": token_mean((clipped < unclipped).to(mask.dtype), mask, num_tokens).item(),
@@ -318,8 +326,9 @@ def check_args(args: Args, world_size: int) -> None:
     common.require(args.ent_coef >= 0, "ent_coef", args.ent_coef, ">= 0")
 
 
-RewardFn = Callable[[common.Rollout, list], list]
-"""(rollout, tasks aligned with its rows) -> one float per completion; the default scores Countdown."""
+RewardFn = Callable[[common.Rollout, list], tuple[list, list, list]]
+"""(rollout, tasks aligned with its rows) -> (reward, correct, well_formed), each one float per completion;
+the default scores Countdown with countdown_reward.py."""
 
 
 def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
@@ -327,6 +336,9 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
     if args.resume:  # the run's own configuration, its folder, and the state of its newest checkpoint
         args, checkpoint = common.resume_args(args, Args(), args.resume)
     check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    if reward_fn is None:  # Countdown (countdown_reward.py)
+        reward_fn = lambda rollout, tasks: common.countdown_rewards(  # noqa: E731
+            rollout.texts, tasks, args.format_score, args.answer_score)
     d = common.setup_distributed(args.device)
     common.seed_everything(args.seed)
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -337,10 +349,11 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
     # Model, critic, reference model (only when the KL term is on), optimizers
     model_path = common.resolve_model(args.model)
     tokenizer = common.load_tokenizer(model_path)
-    policy = common.load_model(str(checkpoint or model_path), d.device, args.gradient_checkpointing, fp32=args.fsdp)
+    dtype = common.compute_dtype(args.compute_dtype, d.device)  # float32 weights, `dtype` matrix products
+    policy = common.load_model(str(checkpoint or model_path), d.device, args.gradient_checkpointing, dtype=dtype)
     critic = common.load_value_model(str(checkpoint / "critic") if checkpoint else model_path, d.device,
-                                     args.gradient_checkpointing, fp32=args.fsdp)
-    ref_model = common.load_model(model_path, d.device, trainable=False) if args.beta > 0 else None
+                                     args.gradient_checkpointing, dtype=dtype)
+    ref_model = common.load_model(model_path, d.device, trainable=False, dtype=dtype) if args.beta > 0 else None
     policy = common.parallelize(policy, d, args.fsdp, args.fsdp_cpu_offload)  # DDP, or FSDP2 with --fsdp
     ref_model = common.parallelize(ref_model, d, args.fsdp) if ref_model is not None else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
@@ -377,16 +390,12 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
         group_tasks = [t for t in tasks for _ in range(args.group_size)]
 
         # ---- Reward ------------------------------------------------------------------------------
-        if reward_fn is None:
-            rewards, correct, well_formed = common.countdown_rewards(
-                rollout.texts, group_tasks, args.format_score, args.answer_score)
-        else:
-            rewards = reward_fn(rollout, group_tasks)
-            correct = well_formed = [0.0] * len(rewards)
+        rewards, correct, well_formed = reward_fn(rollout, group_tasks)
         rewards = torch.tensor(rewards, dtype=torch.float32, device=d.device)
 
         # groups of equal rewards: only defined for --group-size >= 2 (PPO's default is one completion)
-        zero_std_groups = (rewards.view(-1, args.group_size).std(1) == 0).sum().item() if args.group_size > 1 else 0
+        grouped = rewards.view(-1, args.group_size)
+        zero_std_groups = (grouped == grouped[:, :1]).all(1).sum().item() if args.group_size > 1 else 0
 
         with common.Timer() as update_time, common.out_of_memory_hint("update", args):
             # ---- Old log-probs and values, reference log-probs -----------------------------------

@@ -66,9 +66,10 @@ def peaked_model_dir(tmp_path_factory, tiny_model_dir) -> str:
 
 
 def even_token_reward(rollout, tasks):
-    """Toy reward: the fraction of a completion's tokens whose id is even."""
+    """Toy reward: the fraction of a completion's tokens whose id is even; correct when all of them are."""
     ids, mask = rollout.completion_ids, rollout.completion_mask
-    return (((ids % 2 == 0) & (mask == 1)).sum(-1) / mask.sum(-1)).tolist()
+    rewards = (((ids % 2 == 0) & (mask == 1)).sum(-1) / mask.sum(-1)).tolist()
+    return rewards, [float(r == 1.0) for r in rewards], [1.0] * len(rewards)
 
 
 def synthetic_rollout(batch_size: int = 8, prompt_len: int = 6, completion_len: int = 7, seed: int = 0):

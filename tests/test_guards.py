@@ -19,11 +19,15 @@ SMALL = dict(num_steps=5, prompts_per_step=2, group_size=2, max_new_tokens=4, le
 
 
 def nan_reward(rollout, tasks):
-    return [float("nan")] * len(rollout.texts)
+    """NaN rewards in groups that are informative by accuracy (dynamic sampling keeps them)."""
+    n = len(rollout.texts)
+    return [float("nan")] * n, [float(i % 2) for i in range(n)], [1.0] * n
 
 
 def constant_reward(rollout, tasks):
-    return [0.1] * len(rollout.texts)
+    """Every completion well-formed and wrong: 0.1 each (the format score), one value per group."""
+    n = len(rollout.texts)
+    return [0.1] * n, [0.0] * n, [1.0] * n
 
 
 def weights(folder):
@@ -40,13 +44,16 @@ def test_nan_rewards_never_reach_the_weights_and_stop_the_run(algo, tiny_model_d
     start = weights(tiny_model_dir)
     assert all(torch.equal(saved[k], start[k]) for k in start)  # the last good state: untouched
     rows = [json.loads(line) for line in open(os.path.join(tmp_path, run, "metrics.jsonl"))]
-    assert [r["charts/skipped_steps"] for r in rows] == [1, 2]
+    n = args.num_minibatches  # every optimizer step of a step was skipped
+    assert [r["charts/skipped_steps"] for r in rows] == [n, 2 * n]
 
 
 @pytest.mark.parametrize("algo", [grpo, dapo])
-def test_batches_where_every_group_has_equal_rewards_change_nothing(algo, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("group_size", [2, 8])  # 8 x 0.1: a float32 mean and std that are not exact
+def test_batches_where_every_group_has_equal_rewards_change_nothing(algo, group_size, tiny_model_dir, tmp_path):
     # zero advantages everywhere (and no KL term): a zero gradient, no NaN, no skipped step
-    args = algo.Args(model=tiny_model_dir, runs_dir=str(tmp_path), beta=0.0, **{**SMALL, "num_steps": 2})
+    args = algo.Args(model=tiny_model_dir, runs_dir=str(tmp_path), beta=0.0,
+                     **{**SMALL, "num_steps": 2, "group_size": group_size})
     out = algo.train(args, reward_fn=constant_reward)
     assert out["charts/skipped_steps"] == 0 and out["charts/zero_std_fraction"] == 1.0
     saved = weights(os.path.join(out["run_dir"], "checkpoint-2"))

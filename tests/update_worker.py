@@ -21,8 +21,10 @@ def main():
     algo_name, model_dir, out = sys.argv[1:4]
     algo = importlib.import_module(algo_name)
     overrides = dict(kv.split("=", 1) for kv in sys.argv[4:])
+    # no clipping: it would hide a wrongly scaled gradient. One minibatch: each process shuffles its own
+    # share into minibatches, so with several the minibatches (not the update's sums) depend on the split
     args = algo.Args(model=model_dir, beta=0.05, learning_rate=1.0, group_size=4, prompts_per_step=2,
-                     max_grad_norm=1e9)  # no clipping: it would hide a wrongly scaled gradient
+                     max_grad_norm=1e9, num_minibatches=1)
     if algo_name == "ppo":
         args.critic_learning_rate, args.lam, args.clip_value = 1.0, 0.95, 0.05
     for k, v in overrides.items():

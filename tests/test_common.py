@@ -126,3 +126,14 @@ def test_bad_model_name_is_a_clear_error(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(common.ConfigError, match="--model=.*no config.json"):
         common.resolve_model(str(tmp_path / "empty"))
+
+
+def test_the_hub_dataset_is_split_as_tinyzero_splits_it():
+    rows = [{"nums": [i, 1], "target": i + 1} for i in range(common.TINYZERO_TRAIN_ROWS + 5000)]
+    train, test = common.split_tasks(rows, common.HUB_DATASET, 1024)
+    assert len(train) == 327680 and train[-1] is rows[327679]
+    assert test == rows[327680:328704]  # TinyZero's test rows, never the last rows of the file
+    other_train, other_test = common.split_tasks(rows, "my_tasks.jsonl", 1024)
+    assert other_test == rows[-1024:] and len(other_train) == len(rows) - 1024
+    with pytest.raises(common.ConfigError, match="--test-size=9000 is not allowed"):
+        common.split_tasks(rows, common.HUB_DATASET, 9000)

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import common
 import dapo
@@ -150,3 +151,42 @@ def test_dapo_learns_a_toy_reward(peaked_model_dir, tmp_path):
 def test_update_is_the_same_for_any_split(tiny_model_dir, tmp_path):
     # token-level normalisation by the global count: micro-batches of 3 + 1 per process agree too
     assert_same_update_for_any_split("dapo", tiny_model_dir, tmp_path, 3, ent_coef=0.01)
+
+
+# ---- Mini-batches make clipping act; one on-policy minibatch cannot clip -----------------------------
+def one_step(model_dir, tmp_path, name, **flags):
+    args = dapo.Args(model=model_dir, num_steps=1, prompts_per_step=4, group_size=8, max_new_tokens=8,
+                     learning_rate=1e-3, eval_every=0, save_every=0, eval_size=1, test_size=8, micro_batch_size=32,
+                     runs_dir=str(tmp_path / name), seed=1, dynamic_sampling=False, **flags)
+    out = dapo.train(args, reward_fn=even_token_reward)
+    return out, load_file(os.path.join(out["run_dir"], "checkpoint-1", "model.safetensors"))
+
+
+def test_minibatches_make_clip_higher_act_and_one_minibatch_does_not(peaked_model_dir, tmp_path):
+    # (a learning rate at which some ratios land in (1.2, 1.28]; much larger and they overshoot both bounds)
+    out, low = one_step(peaked_model_dir, tmp_path, "a", num_minibatches=4, clip_high=0.2)
+    higher, high = one_step(peaked_model_dir, tmp_path, "b", num_minibatches=4, clip_high=0.28)
+    assert 0 < higher["losses/clipfrac"] < out["losses/clipfrac"]  # clip-higher clips fewer tokens
+    assert any(not torch.equal(low[k], high[k]) for k in low)
+    # one minibatch of one epoch: the ratio is exactly 1, so the clip range cannot matter
+    out, low = one_step(peaked_model_dir, tmp_path, "c", num_minibatches=1, clip_high=0.2)
+    _, high = one_step(peaked_model_dir, tmp_path, "d", num_minibatches=1, clip_high=0.28)
+    assert out["losses/clipfrac"] == 0
+    assert all(torch.equal(low[k], high[k]) for k in low)
+
+
+# ---- Dynamic sampling filters on accuracy, as DAPO defines it ----------------------------------------
+def format_only_reward(rollout, tasks):
+    """All wrong, well-formed, rewards that differ only by a shaping term (0.1 vs 0.096)."""
+    n = len(rollout.texts)
+    return [0.1 if i % 8 else 0.096 for i in range(n)], [0.0] * n, [1.0] * n
+
+
+@pytest.mark.parametrize("metric,dropped", [("accuracy", 1.0), ("reward", 0.0)])
+def test_dynamic_sampling_metric(metric, dropped, tiny_model_dir, tmp_path):
+    args = dapo.Args(model=tiny_model_dir, num_steps=1, prompts_per_step=2, group_size=8, max_new_tokens=4,
+                     eval_every=0, save_every=0, eval_size=1, test_size=8, runs_dir=str(tmp_path),
+                     max_generation_batches=2, dynamic_sampling_metric=metric)
+    out = dapo.train(args, reward_fn=format_only_reward)
+    assert out["charts/dropped_fraction"] == dropped
+    assert out["charts/generation_batches"] == (2 if metric == "accuracy" else 1)

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import common
 import grpo
@@ -151,3 +153,45 @@ def test_update_is_the_same_for_any_split(tiny_model_dir, tmp_path):
     assert (whole - start).abs().max() > 1e-2  # the update moved the weights
     accumulated = run_update("grpo", tiny_model_dir, tmp_path / "accum.pt", micro_batch_size=1)
     torch.testing.assert_close(accumulated, whole, atol=2e-6, rtol=1e-4)
+
+
+# ---- Equal rewards: exactly zero advantage at any group size, value and dtype -------------------------
+@settings(max_examples=200, deadline=None)
+@given(group_size=st.integers(2, 64), value=st.floats(-100, 100, allow_nan=False, width=32),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), other=st.floats(-100, 100, width=32))
+def test_groups_of_equal_rewards_get_exactly_zero_advantage(group_size, value, dtype, other):
+    # two groups: one of equal rewards, one whose last reward differs
+    rewards = torch.tensor([value] * group_size + [value] * (group_size - 1) + [other]).to(dtype)
+    adv = grpo.group_advantages(rewards, group_size)
+    assert adv[:group_size].tolist() == [0.0] * group_size
+    assert grpo.equal_reward_groups(rewards, group_size).tolist() == [True, bool(rewards[-1] == rewards[0])]
+    assert torch.isfinite(adv).all()
+
+
+def test_eight_rewards_of_a_tenth_are_the_hard_case():
+    # float32 round-off: the mean of [0.1] * 8 is not 0.1, so (r - mean) / (std + eps) was -0.0075
+    rewards = torch.full((8,), 0.1)
+    assert rewards.mean() != rewards[0]
+    assert grpo.group_advantages(rewards, 8).tolist() == [0.0] * 8
+
+
+# ---- Garbage at padded positions changes nothing ------------------------------------------------------
+@pytest.mark.parametrize("garbage", [95.0, -95.0, float("inf"), float("-inf")])
+def test_garbage_in_padding_changes_neither_loss_nor_gradient(garbage):
+    mask = torch.tensor([[1.0, 1, 0, 0], [1, 1, 1, 1]])
+    clean = torch.tensor([[-1.0, -2.0, 0.0, 0.0], [-0.5, -1.5, -0.3, -2.0]])
+    old, ref = clean - 0.1, clean + 0.2
+    results = []
+    for padding in (0.0, garbage):
+        logprobs = torch.where(mask.bool(), clean, padding).requires_grad_(True)
+        loss, stats = grpo.policy_loss(logprobs, old, torch.tensor([1.0, -1.0]), mask, 0.2)
+        kl = grpo.sequence_mean(grpo.kl_k3(logprobs, ref), mask)
+        (loss + 0.1 * kl).backward()
+        results.append((loss.item(), kl.item(), logprobs.grad.clone(), stats["clipfrac"]))
+    assert results[1][:2] == results[0][:2] and results[1][3] == results[0][3]
+    assert torch.equal(results[1][2], results[0][2]) and torch.isfinite(results[1][2]).all()
+
+
+def test_kl_k3_is_clamped_where_exp_would_overflow():
+    kl = grpo.kl_k3(torch.tensor([0.0, -200.0]), torch.tensor([0.0, 0.0]))
+    assert kl.tolist() == [0.0, grpo.KL_LIMIT]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from transformers import GenerationConfig
 
 from conftest import ROOT, make_tiny_model_dir
 from test_scripts import metrics, run
@@ -24,15 +25,23 @@ def small_model_dir(tmp_path_factory) -> str:
 
 
 def test_engine_matches_hf_and_follows_weight_syncs(bundled_dir, tmp_path):
+    # the bundled model with a generation_config.json that tries to change sampling, as Qwen2.5-Instruct's does
+    model_dir = tmp_path / "opinionated"
+    model_dir.mkdir()
+    for name in os.listdir(bundled_dir):
+        if name != "generation_config.json":
+            os.symlink(os.path.join(bundled_dir, name), model_dir / name)
+    GenerationConfig(repetition_penalty=1.3, top_k=5, top_p=0.8, temperature=0.3, do_sample=True).save_pretrained(model_dir)
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "vllm_worker.py"), bundled_dir, str(tmp_path)],
-                            capture_output=True, text=True, timeout=900, env=env)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "vllm_worker.py"), str(model_dir),
+                             str(tmp_path)], capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     found = json.loads(result.stdout.strip().splitlines()[-1])
     # On CPU the engine and HF both compute in float32 (other kernels): the same greedy tokens, and
     # log-probs that agree to about 2e-5 (measured); a bf16 engine gave 0.025 and flipped near-ties.
     assert found["identical_greedy"] == 4, found
     assert found["logprob_abs_diff"] < 1e-3, found
+    assert found["sampled_logprob_abs_diff"] < 1e-3, found  # no repetition penalty, no top-k, T = 0.7
     # after a push the running engine is the model it was given: as a fresh engine on those weights
     assert found["changed_output"] and found["synced_equals_fresh"], found
     assert found["restored_equals_original"], found

@@ -43,6 +43,13 @@ def main():
     m = rollout.completion_mask.bool()
     result["logprob_abs_diff"] = (teacher[m] - rollout.logprobs[m]).abs().mean().item()
 
+    # 1b. sampled at temperature 0.7: the engine's log-probs are the policy's, whatever the checkpoint's
+    # generation_config.json asks for (the test writes one with a repetition penalty and top-k)
+    sampled = engine.generate(prompts, 4, 16, 0.7, seed=0)
+    teacher = common.batched_logprobs(policy, sampled, 8, 0.7)[0]
+    m = sampled.completion_mask.bool()
+    result["sampled_logprob_abs_diff"] = (teacher[m] - sampled.logprobs[m]).abs().mean().item()
+
     # 2. change the trained weights (the tied embedding too) and push them into the running engine
     original = {k: p.detach().clone() for k, p in policy.named_parameters()}
     with torch.no_grad():

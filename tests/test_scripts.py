@@ -99,7 +99,8 @@ def test_grpo_runs_with_the_bundled_model(tmp_path):
 def test_torchrun_two_cpu_processes(script, parallel, tiny_model_dir, tmp_path):
     # DDP under torchrun for dapo.py and ppo.py is covered by their split tests (tests/update_worker.py)
     result = run([script, "--model", tiny_model_dir, "--num-steps", "2", "--prompts-per-step", "2", "--group-size", "2",
-                  "--max-new-tokens", "8", "--eval-size", "3", "--runs-dir", str(tmp_path), "--beta", "0.01", parallel],
+                  "--max-new-tokens", "8", "--eval-size", "3", "--runs-dir", str(tmp_path), "--beta", "0.01", parallel,
+                  "--num-minibatches", "2"],  # 2 sequences per process
                  torchrun=True, threads="1")
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir, rows = metrics(tmp_path)  # rank 0 alone writes
@@ -120,7 +121,8 @@ def test_torchrun_two_cpu_processes(script, parallel, tiny_model_dir, tmp_path):
 def test_dapo_runs_with_the_bundled_model(dynamic_sampling, tmp_path):
     result = run(["dapo.py", "--num-steps", "2", "--prompts-per-step", "2", "--group-size", "2",
                   "--max-new-tokens", "12", "--eval-size", "1", "--runs-dir", str(tmp_path), "--learning-rate", "1e-5",
-                  dynamic_sampling, "--max-generation-batches", "2", "--overlong-buffer", "8"])
+                  dynamic_sampling, "--max-generation-batches", "2", "--overlong-buffer", "8", "--num-minibatches", "2",
+                  "--dynamic-sampling-metric", "reward"])  # the bundled model is never right: filter on rewards
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir, rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
@@ -144,7 +146,7 @@ def test_dapo_runs_with_the_bundled_model(dynamic_sampling, tmp_path):
 
 def test_ppo_runs_with_the_bundled_model(tmp_path):
     result = run(["ppo.py", "--num-steps", "2", "--prompts-per-step", "1", "--max-new-tokens", "16",
-                  "--eval-size", "1", "--runs-dir", str(tmp_path), "--learning-rate", "1e-5"])
+                  "--eval-size", "1", "--runs-dir", str(tmp_path), "--learning-rate", "1e-5", "--num-minibatches", "1"])
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir, rows = metrics(tmp_path)
     for key in ["losses/value_loss", "losses/value_clipfrac", "charts/explained_variance", "charts/value_mean",

@@ -4,7 +4,7 @@ Builds a randomly initialised model of Qwen2.5-1.5B-Instruct's shape (28 layers,
 151,936, tied embeddings) with a generation_config.json that tries to change sampling as Qwen's does, then
 runs ppo.py, grpo.py and dapo.py for a few steps each at the paper's learning rate (1e-6) and completion
 length (1024 new tokens), with fewer prompts per step than the paper's 256 so that the check takes
-minutes. For each script it checks that the weights changed (fp32 master weights keep a 1e-6 step), that
+minutes, and a dense toy reward (a random model never solves Countdown). For each script it checks that the weights changed (fp32 master weights keep a 1e-6 step), that
 every logged loss is finite, and prints peak GPU memory and seconds per step; then it measures the gap
 between HF sampling and the log-prob pass, both in bf16. One JSON line per check; exit 1 if one failed.
 
@@ -39,7 +39,7 @@ QWEN25_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, 
 FLAGS = {
     "ppo": dict(prompts_per_step=64, group_size=1, beta=0.001, critic_learning_rate=1e-5, num_minibatches=2),
     "grpo": dict(prompts_per_step=8, group_size=8, beta=0.01),
-    "dapo": dict(prompts_per_step=8, group_size=8, dynamic_sampling=False, overlong_buffer=256),
+    "dapo": dict(prompts_per_step=8, group_size=8, dynamic_sampling=False),  # + overlong buffer: max_new_tokens / 4
 }
 
 
@@ -58,6 +58,14 @@ def build_model(path: str, tokenizer_dir: str, layers: int, device: str) -> None
                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(path)
 
 
+def even_token_reward(rollout, tasks):
+    """A dense toy reward (the fraction of even token ids): a random model never scores on Countdown, and
+    equal rewards would give GRPO and DAPO no gradient to check."""
+    ids, mask = rollout.completion_ids, rollout.completion_mask
+    rewards = (((ids % 2 == 0) & (mask == 1)).sum(-1) / mask.sum(-1).clamp(min=1)).tolist()
+    return rewards, [float(r == 1.0) for r in rewards], [1.0] * len(rewards)
+
+
 def load_weights(folder: str) -> dict[str, torch.Tensor]:
     out = {}
     for name in sorted(os.listdir(folder)):
@@ -72,17 +80,20 @@ def changed_fraction(before: dict, after: dict) -> float:
     return changed / sum(t.numel() for k, t in before.items() if k in after)
 
 
-def check_script(name: str, model_dir: str, runs_dir: str, steps: int, max_new_tokens: int, device: str) -> dict:
+def check_script(name: str, model_dir: str, runs_dir: str, steps: int, max_new_tokens: int, device: str,
+                 micro_batch_size: int) -> dict:
     import importlib
 
     algo = importlib.import_module(name)
     args = algo.Args(model=model_dir, runs_dir=runs_dir, num_steps=steps, learning_rate=1e-6,
-                     max_new_tokens=max_new_tokens, micro_batch_size=8, eval_every=0, eval_size=8, save_every=0,
+                     max_new_tokens=max_new_tokens, micro_batch_size=micro_batch_size, eval_every=0, eval_size=8, save_every=0,
                      device=device, compute_dtype="bfloat16", **FLAGS[name])
+    if name == "dapo":
+        args.overlong_buffer = max_new_tokens // 4
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    out = algo.train(args)
+    out = algo.train(args, reward_fn=even_token_reward)
     wall = time.perf_counter() - start
     rows = [json.loads(line) for line in open(os.path.join(out["run_dir"], "metrics.jsonl"))]
     losses = {k: v for r in rows for k, v in r.items() if k.startswith("losses/")}
@@ -90,7 +101,7 @@ def check_script(name: str, model_dir: str, runs_dir: str, steps: int, max_new_t
     before = load_weights(model_dir)
     result = {
         "check": name, "steps": steps, "sequences_per_step": args.prompts_per_step * args.group_size,
-        "max_new_tokens": max_new_tokens, "compute_dtype": "bfloat16",
+        "max_new_tokens": max_new_tokens, "micro_batch_size": micro_batch_size, "compute_dtype": "bfloat16",
         "saved_dtype": str(next(iter(after.values())).dtype),
         "changed_fraction": changed_fraction(before, after),
         "losses_finite": all(math.isfinite(v) for v in losses.values()),
@@ -129,6 +140,7 @@ def main() -> int:
     parser.add_argument("--out", default="", help="also append the JSON lines to this file")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--layers", type=int, default=QWEN25_1_5B["num_hidden_layers"])
+    parser.add_argument("--micro-batch-size", type=int, default=8, help="ppo.py gets half (it also trains a critic)")
     a = parser.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device (--device cpu tries the script on a CPU)", file=sys.stderr)
@@ -137,8 +149,8 @@ def main() -> int:
     model_dir = os.path.join(work, "qwen2.5-1.5b-shaped")
     build_model(model_dir, a.tokenizer, a.layers, a.device)
     ok = True
-    checks = [lambda n=n: check_script(n, model_dir, os.path.join(work, "runs"), a.steps, a.max_new_tokens, a.device)
-              for n in a.scripts] + [lambda: check_sampler_gap(model_dir, a.device)]
+    checks = [lambda n=n: check_script(n, model_dir, os.path.join(work, "runs"), a.steps, a.max_new_tokens, a.device,
+                                       a.micro_batch_size // (2 if n == "ppo" else 1)) for n in a.scripts] + [lambda: check_sampler_gap(model_dir, a.device)]
     for check in checks:
         result = check()
         result["device"] = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"

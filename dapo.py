@@ -15,6 +15,7 @@ rollout, reward, advantages, log-probs, update and logging. README.md maps every
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Literal, NamedTuple
@@ -357,23 +358,27 @@ RewardFn = Callable[[common.Rollout, list], tuple[list, list, list]]
 the default scores Countdown with countdown_reward.py."""
 
 
-def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
-    checkpoint = None
-    if args.resume:  # the run's own configuration, its folder, and the state of its newest checkpoint
-        args, checkpoint = common.resume_args(args, Args(), args.resume)
+def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] | None = None) -> dict:
+    """`typed_flags`: the flags typed on the command line, which --resume checks against the run."""
+    checkpoint, state = None, None
+    if args.resume:  # the run's own configuration, its newest intact checkpoint and that checkpoint's state
+        args, checkpoint, state = common.resume_args(args, Args(), args.resume, "dapo", typed_flags)
     check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     if reward_fn is None:  # Countdown (countdown_reward.py)
         reward_fn = lambda rollout, tasks: common.countdown_rewards(  # noqa: E731
             rollout.texts, tasks, args.format_score, args.answer_score)
     d = common.setup_distributed(args.device)
     common.seed_everything(args.seed)
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = str(checkpoint.parent) if checkpoint else os.path.join(args.runs_dir, run_name)
-    state = common.load_trainer_state(checkpoint) if checkpoint else None
-    logger = common.RunLogger(run_dir, args, d, args.track, args.wandb_project, state and state["step"])
+    run = common.RunDir(args.runs_dir, args.exp_name, args.seed, checkpoint, d)  # locks a resumed run's folder
+
+    # Data (checked before any model loads); each process takes its share of prompts_per_step
+    model_path = common.resolve_model(args.model)
+    train_tasks, test_tasks = common.load_countdown(
+        args.dataset, args.test_size, args.seed, min_numbers=args.task_min_numbers,
+        max_numbers=args.task_max_numbers, max_value=args.task_max_value, operators=args.task_operators)
+    eval_tasks = test_tasks[:args.eval_size]
 
     # Model, reference model (only when the KL term is on), optimizer
-    model_path = common.resolve_model(args.model)
     tokenizer = common.load_tokenizer(model_path)
     dtype = common.compute_dtype(args.compute_dtype, d.device)  # float32 weights, `dtype` matrix products
     policy = common.load_model(str(checkpoint or model_path), d.device, args.gradient_checkpointing, dtype=dtype)
@@ -383,12 +388,9 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     backend = common.make_backend(args.backend, policy, tokenizer, args, str(checkpoint or model_path), d)
+    run_dir = run.create()  # a new run's folder, made once every input has loaded
+    logger = common.RunLogger(run_dir, args, d, "dapo", args.track, args.wandb_project, state and state["step"])
 
-    # Data: each process takes its share of prompts_per_step; groups of G contiguous completions
-    train_tasks, test_tasks = common.load_countdown(
-        args.dataset, args.test_size, args.seed, min_numbers=args.task_min_numbers,
-        max_numbers=args.task_max_numbers, max_value=args.task_max_value, operators=args.task_operators)
-    eval_tasks = test_tasks[:args.eval_size]
     sampler = common.PromptSampler(train_tasks, args.seed)
     update_rng = torch.Generator().manual_seed(args.seed)
     skipped_steps, skipped_in_row, scalars, start_step = 0, 0, {}, 1
@@ -459,6 +461,9 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
             stats = update_policy(policy, optimizer, rollout, advantages, old_logprobs, ref_logprobs, args,
                                   update_rng, d, loss_mask)
             scheduler.step()
+        if not all(common.weights_finite(m, d) for m in (policy,)):  # a finite gradient times a huge step
+            raise common.RunStopped(f"the weights are not finite after step {step}; the newest checkpoint in "
+                                    f"{run_dir} holds the last good ones: lower --learning-rate")
         with common.Timer() as sync_time:  # the generation engine samples from the new weights
             backend.sync_weights(policy)
         skipped = stats.pop("skipped_updates")
@@ -519,7 +524,8 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
         diverged = skipped_in_row >= args.max_skipped_steps
         if args.save_every and step % args.save_every == 0 or step == args.num_steps or stopping or diverged:
             common.save_checkpoint(policy, tokenizer, run_dir, step, d, keep=args.keep_checkpoints,
-                                   state=common.trainer_state(step, skipped_steps, update_rng, **stateful))
+                                   state=common.trainer_state(step, skipped_steps, update_rng, **stateful),
+                                   final=step == args.num_steps or stopping or diverged)
         if diverged:  # the skipped updates never reached the weights: the checkpoint is the last good state
             raise common.RunStopped(
                 f"{skipped_in_row} steps in a row had a non-finite gradient (--max-skipped-steps="
@@ -536,4 +542,4 @@ def train(args: Args, reward_fn: RewardFn | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    common.exit_on_config_error(lambda: train(tyro.cli(Args)))
+    common.exit_on_config_error(lambda: train(tyro.cli(Args), typed_flags=common.typed_flags(sys.argv[1:])))

@@ -28,9 +28,9 @@ def test_generated_tasks_are_solvable_deterministic_and_held_out():
 
 def test_local_files_and_their_errors(tmp_path):
     path = tmp_path / "tasks.jsonl"
-    path.write_text("\n".join(json.dumps({"nums": [i, 2, 3], "target": i + 5}) for i in range(10)))
+    path.write_text("\n".join(json.dumps({"nums": [i, 2, 3], "target": i + 5}) for i in range(1, 11)))
     train, test = common.load_countdown(str(path), test_size=3, seed=0)
-    assert len(train) == 7 and test[-1] == {"nums": [9, 2, 3], "target": 14}
+    assert len(train) == 7 and test[-1] == {"nums": [10, 2, 3], "target": 15}
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"numbers": [1, 2], "target": 3}))
     with pytest.raises(common.ConfigError, match="--dataset=.*lacks the 'nums' and 'target' columns"):

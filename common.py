@@ -263,11 +263,13 @@ def check_model_folder(path: str, flag: str = "--model") -> None:
     from safetensors import safe_open
 
     where = f"{flag}={path!r} is not allowed"
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"{where}: the folder has no config.json")
     try:
         config = json.loads(Path(path, "config.json").read_text())
         assert isinstance(config, dict) and config.get("model_type")
     except (OSError, ValueError, AssertionError):
-        raise ConfigError(f"{where}: {path}/config.json is missing, not JSON, or names no model_type") from None
+        raise ConfigError(f"{where}: {path}/config.json is not JSON, or names no model_type") from None
     files = os.listdir(path)
     weights = [f for f in files if f.endswith((".safetensors", ".bin"))]
     if not weights:

@@ -199,7 +199,7 @@ def broken_model(tiny_model_dir, tmp_path, damage) -> str:
 
 
 @pytest.mark.parametrize("damage,message", [
-    (lambda p: (p / "config.json").write_text("{not json"), "config.json is missing, not JSON"),
+    (lambda p: (p / "config.json").write_text("{not json"), "config.json is not JSON"),
     (lambda p: (p / "model.safetensors").unlink(), "the folder has no weights"),
     (lambda p: os.truncate(p / "model.safetensors", 1000), "model.safetensors is damaged"),
     (lambda p: [(p / f).unlink() for f in os.listdir(p) if f.startswith(("tokenizer", "chat_template", "special"))],

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import common
 from conftest import ROOT
@@ -80,29 +80,33 @@ def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(algo, sig, peak
     assert len(common.complete_checkpoints(run_dir)) == 2  # --keep-checkpoints
 
 
+def write_checkpoint(path, step):
+    """A minimal complete checkpoint: weights that read back and a trainer state."""
+    path.mkdir(parents=True)
+    save_file({"w": torch.zeros(2)}, str(path / "model.safetensors"))
+    torch.save({"step": step}, path / common.TRAINER_STATE)
+
+
 def test_half_written_checkpoints_are_never_resumed(tmp_path):
-    (tmp_path / "checkpoint-2").mkdir()
-    (tmp_path / "checkpoint-2" / common.TRAINER_STATE).write_bytes(b"x")
-    (tmp_path / "checkpoint-4.tmp").mkdir()  # killed while writing
-    (tmp_path / "checkpoint-4.tmp" / common.TRAINER_STATE).write_bytes(b"x")
+    write_checkpoint(tmp_path / "checkpoint-2", 2)
+    write_checkpoint(tmp_path / "checkpoint-4.tmp", 4)  # killed while writing
     (tmp_path / "checkpoint-6").mkdir()  # no trainer state: not written by this code path
-    assert common.find_checkpoint(str(tmp_path)).name == "checkpoint-2"
+    assert common.find_checkpoint(str(tmp_path))[0].name == "checkpoint-2"
     with pytest.raises(common.ConfigError, match="--resume='.*' is not allowed: no complete checkpoint"):
-        common.find_checkpoint(str(tmp_path / "checkpoint-6"))
+        common.find_checkpoint(str(tmp_path / "nothing"))
 
 
 def test_resume_refuses_a_conflicting_flag(tmp_path):
     import grpo
 
     ckpt = tmp_path / "run" / "checkpoint-2"
-    ckpt.mkdir(parents=True)
-    (ckpt / common.TRAINER_STATE).write_bytes(b"x")
+    write_checkpoint(ckpt, 2)
     from dataclasses import asdict
 
     (tmp_path / "run" / "args.json").write_text(json.dumps(asdict(grpo.Args(learning_rate=1e-4))))
-    args, found = common.resume_args(grpo.Args(resume=str(tmp_path / "run"), num_steps=50), grpo.Args(),
-                                     str(tmp_path / "run"))
+    args, found, _ = common.resume_args(grpo.Args(resume=str(tmp_path / "run"), num_steps=50), grpo.Args(),
+                                        str(tmp_path / "run"), "grpo")
     assert found == ckpt and args.learning_rate == 1e-4 and args.num_steps == 50
     with pytest.raises(common.ConfigError, match=r"--learning-rate=0.01 is not allowed with --resume: the run was "
                                                  r"started with 0.0001"):
-        common.resume_args(grpo.Args(learning_rate=1e-2), grpo.Args(), str(tmp_path / "run"))
+        common.resume_args(grpo.Args(learning_rate=1e-2), grpo.Args(), str(tmp_path / "run"), "grpo")

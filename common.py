@@ -114,8 +114,8 @@ def check_common_args(args, world_size: int = 1) -> None:
     on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     require(not args.vllm_sleep_mode or (args.backend == "vllm" and on_gpu), "vllm_sleep_mode",
             args.vllm_sleep_mode, "off unless --backend vllm on a GPU (vLLM's sleep mode does nothing on CPU)")
-    require(args.vllm_is_cap >= 0, "vllm_is_cap", args.vllm_is_cap, ">= 0 (0: off)")
-    require(args.vllm_is_cap == 0 or args.backend == "vllm", "vllm_is_cap", args.vllm_is_cap,
+    require(args.vllm_importance_cap >= 0, "vllm_importance_cap", args.vllm_importance_cap, ">= 0 (0: off)")
+    require(args.vllm_importance_cap == 0 or args.backend == "vllm", "vllm_importance_cap", args.vllm_importance_cap,
             "0 unless --backend vllm (HF generation samples from the trained model itself)")
     require(args.device in ("auto", "cpu", "cuda"), "device", args.device, "'auto', 'cpu' or 'cuda'")
     require(args.compute_dtype in ("auto", "bfloat16", "float32"), "compute_dtype", args.compute_dtype,
@@ -185,6 +185,18 @@ def all_reduce_sum(values: list[float], d: Dist) -> list[float]:
     return t.tolist()
 
 
+def all_reduce_sums(sums: dict[str, float], d: Dist) -> dict[str, float]:
+    """Each named sum added up over all processes (every process passes the same names)."""
+    names = sorted(sums)
+    return dict(zip(names, all_reduce_sum([float(sums[k]) for k in names], d)))
+
+
+def generation_seed(seed: int, draw: int, rank: int) -> int:
+    """The sampling seed of one generation batch: different for every run seed, draw (the step, or a
+    step's n-th batch) and process, and independent of what ran before, so a resumed run samples the same."""
+    return seed * 1_000_003 + draw * 1_009 + rank
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -219,7 +231,7 @@ def bundled_model_dir() -> str:
             return str(target)
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-        _quiet_transformers()
+        quiet_transformers()
         src, gguf = os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf"
         config = AutoConfig.from_pretrained(src, gguf_file=gguf)
         if hasattr(config, "quantization_config"):
@@ -284,7 +296,7 @@ def check_model_folder(path: str, flag: str = "--model") -> None:
         raise ConfigError(f"{where}: the folder has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
 
 
-def _quiet_transformers() -> None:
+def quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -294,7 +306,7 @@ def _quiet_transformers() -> None:
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    _quiet_transformers()
+    quiet_transformers()
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"  # generation continues every prompt from the same column
     if tokenizer.pad_token is None:
@@ -350,24 +362,6 @@ def disable_dropout(model) -> None:
             module.p = 0.0
 
 
-def load_value_model(path: str, device: torch.device, gradient_checkpointing: bool = False,
-                     dtype: torch.dtype = torch.float32):
-    """PPO's critic: the same pretrained backbone with a new scalar head on every token
-    (AutoModelForTokenClassification, num_labels=1, as verl does); no dropout in the head; float32
-    weights and a `dtype` forward, as load_model."""
-    from transformers import AutoConfig, AutoModelForTokenClassification
-
-    _quiet_transformers()  # the new head is "newly initialized", as intended
-    config = AutoConfig.from_pretrained(path, num_labels=1)
-    config.classifier_dropout = 0.0  # dropout would make V differ between the rollout and the update
-    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32).to(device)
-    disable_dropout(model)
-    model.eval()
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return autocast_forward(model, dtype)
-
-
 def unwrap(model):
     """The plain HF model inside a DDP wrapper (FSDP2 shards the model in place: it is its own)."""
     return getattr(model, "module", model)
@@ -406,9 +400,10 @@ def parallelize(model, d: Dist, fsdp: bool = False, cpu_offload: bool = False):
 
 
 @contextlib.contextmanager
-def no_sync(model, skip_sync: bool):
-    """Accumulate this micro-batch's gradients locally (no all-reduce / reduce-scatter) when skip_sync."""
-    if not skip_sync:
+def gradient_sync(model, enabled: bool):
+    """Reduce this micro-batch's gradients over processes (all-reduce, or FSDP2's reduce-scatter) only when
+    `enabled`, i.e. on the last micro-batch of a minibatch; before it they accumulate locally."""
+    if enabled:
         yield
     elif is_sharded(model):
         model.set_requires_gradient_sync(False)
@@ -818,6 +813,9 @@ class HFBackend:
     def sync_weights(self, model) -> None:
         """Nothing to do: HF generation runs on the trained model itself."""
 
+    def close(self) -> None:
+        """Nothing to release."""
+
 
 class VLLMBackend:
     """A vLLM engine in this process (tensor parallel 1, engine core in-process), created once from the
@@ -909,6 +907,12 @@ class VLLMBackend:
         self.llm.reset_prefix_cache()
 
 
+    def close(self) -> None:
+        """Shut the engine down while the process group it shares still exists (at interpreter exit it
+        would try to destroy a group the training loop already destroyed, and print a traceback)."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+
 def make_backend(name: str, model, tokenizer, args=None, model_path: str | None = None, d: Dist | None = None):
     if name == "hf":
         return HFBackend(model, tokenizer)
@@ -952,15 +956,6 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     return logprobs, entropy
 
 
-def completion_values(critic, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
-    """V(s_t) (B, T) for every completion token t: the critic's output at the position that predicts
-    token t, i.e. after the prompt and o_<t (the same positions as the log-probs)."""
-    input_ids, attention_mask, position_ids = model_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
-    T = completion_ids.shape[1]
-    out = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    return out.logits[:, -(T + 1):-1, 0].float()
-
-
 def over_micro_batches(fn, rollout: Rollout, micro_batch_size: int):
     """fn(prompt_ids, prompt_mask, completion_ids, completion_mask) on each micro-batch of the rollout,
     its outputs (a tensor, or a tuple of tensors or None) concatenated along the batch."""
@@ -972,12 +967,6 @@ def over_micro_batches(fn, rollout: Rollout, micro_batch_size: int):
     if isinstance(outs[0], torch.Tensor):
         return torch.cat(outs)
     return tuple(None if parts[0] is None else torch.cat(parts) for parts in zip(*outs))
-
-
-@torch.no_grad()
-def batched_values(critic, rollout: Rollout, micro_batch_size: int) -> torch.Tensor:
-    """completion_values over the whole rollout in micro-batches, without gradients."""
-    return over_micro_batches(lambda *batch: completion_values(unwrap(critic), *batch), rollout, micro_batch_size)
 
 
 @torch.no_grad()
@@ -1111,6 +1100,10 @@ class RunLogger:
             f"|{k}|{v}|" for k, v in config.items()))
         self._metrics = open(self.run_dir / "metrics.jsonl", "a")
         self._samples = open(self.run_dir / "samples.jsonl", "a")
+        print(self.where(), flush=True)
+
+    def where(self) -> str:
+        return f"run folder: {self.run_dir}  (curves: tensorboard --logdir {self.run_dir.parent})"
 
     def log(self, step: int, scalars: dict) -> None:
         if not self.enabled:
@@ -1133,6 +1126,7 @@ class RunLogger:
             self.writer.close()
             self._metrics.close()
             self._samples.close()
+            print(self.where(), flush=True)
 
 
 def _truncate_after(path: Path, step: int) -> None:

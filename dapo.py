@@ -1,4 +1,6 @@
-"""DAPO on the Countdown game: paper section 2.3, equation 12 (objective), 10 (advantage).
+"""Paper: "Comparative Analysis and Parametric Tuning of PPO, GRPO, and DAPO for LLM Reasoning Enhancement" (arXiv:2512.07611, https://arxiv.org/abs/2512.07611).
+
+DAPO on the Countdown game: paper section 2.3, equation 12 (objective), 10 (advantage).
 
 DAPO is GRPO (grpo.py) with four changes: clip-higher (clip_low < clip_high), token-level loss
 aggregation over the whole batch, dynamic sampling (drop groups whose rewards are all equal and sample
@@ -84,7 +86,7 @@ class Args:
     """--backend vllm on CPU: KV-cache size in GiB per process (VLLM_CPU_KVCACHE_SPACE)"""
     vllm_sleep_mode: bool = False
     """--backend vllm on GPU: free the engine's KV cache and move its weights to host memory during the update"""
-    vllm_is_cap: float = 0.0
+    vllm_importance_cap: float = 0.0
     """--backend vllm: weight each token by min(pi_old / pi_vllm, cap), truncated importance sampling (0: off)"""
     max_new_tokens: int = 256
     """longest completion; longer ones are cut and marked truncated"""
@@ -210,23 +212,19 @@ def token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: float | Non
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low: float, clip_high: float,
-                num_tokens: float | None = None, engine_logprobs=None, is_cap: float = 0.0):
+                num_tokens: float | None = None):
     """Minus eq. 12's clipped surrogate with clip-higher, token-level aggregation.
 
-    logprobs, old_logprobs, mask: (B, T); advantages: (B,), one per sequence, shared by its tokens.
-    engine_logprobs (B, T), when vLLM sampled the tokens: the gap |log pi_old - log pi_vllm| is logged
-    and, with `is_cap` > 0, each token is weighted by min(pi_old / pi_vllm, is_cap) (truncated IS).
+    logprobs, old_logprobs, mask: (B, T); advantages: (B,), one per sequence, shared by its tokens
+    (or (B, T) once engine_correction has weighted them).
     """
     mask = mask.to(logprobs.dtype)
     log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     ratio = torch.exp(log_ratio)
-    adv = advantages.unsqueeze(-1)
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages  # per sequence, or per token
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * adv
     surrogate = torch.min(unclipped, clipped)
-    engine_gap = None if engine_logprobs is None else old_logprobs - engine_logprobs
-    if engine_gap is not None and is_cap > 0:  # the engine/trainer mismatch: truncated importance sampling
-        surrogate = surrogate * engine_gap.exp().clamp(max=is_cap)
     loss = -token_mean(surrogate, mask, num_tokens)
     with torch.no_grad():
         stats = {
@@ -235,8 +233,6 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low: float, clip_
             "approx_kl": token_mean(torch.exp(log_ratio) - 1 - log_ratio, mask, num_tokens).item(),  # k3 to old
             "ratio": token_mean(ratio, mask, num_tokens).item(),
         }
-        if engine_gap is not None:
-            stats["vllm_logprob_diff"] = token_mean(engine_gap.abs(), mask, num_tokens).item()
     return loss, stats
 
 
@@ -268,6 +264,16 @@ def dynamic_sampling(sample_batch: Callable[[], torch.Tensor], num_groups: int, 
     return kept + [(b, g, False) for b, g in uninformative[:num_groups - len(kept)]]
 
 
+def engine_correction(advantages, old_logprobs, engine_logprobs, cap: float):
+    """vLLM sampled the tokens from pi_vllm (other kernels, maybe another precision), not from pi_old.
+    Returns the per-token gap |log pi_old - log pi_vllm| (logged) and, with cap > 0, the advantages
+    weighted per token by min(pi_old / pi_vllm, cap): truncated importance sampling. Weighting the
+    advantage weights the clipped surrogate: min(r A, clip(r) A) w = min(r A w, clip(r) A w) for w >= 0."""
+    gap = (old_logprobs - engine_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    if cap > 0:
+        advantages = (advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages) * gap.exp().clamp(max=cap)
+    return advantages, gap.abs()
+
 # ----------------------------------------------------------------------------------------------------
 # Update: update_epochs passes of num_minibatches optimizer steps, each accumulated over micro-batches
 # ----------------------------------------------------------------------------------------------------
@@ -294,20 +300,24 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
             micro_batches = minibatch.split(args.micro_batch_size)
             for i, idx in enumerate(micro_batches):
                 last = i == len(micro_batches) - 1
-                with common.no_sync(policy, not last):
+                with common.gradient_sync(policy, enabled=last):
                     logprobs, entropy = common.completion_logprobs(
                         policy, rollout.prompt_ids[idx], rollout.prompt_mask[idx], rollout.completion_ids[idx],
                         rollout.completion_mask[idx], args.temperature, with_entropy=True,
                         entropy_grad=args.ent_coef > 0)
                     old = logprobs.detach() if old_logprobs is None else old_logprobs[idx]
-                    engine = None if rollout.logprobs is None else rollout.logprobs[idx]  # vLLM sampled them
-                    pg_loss, stats = policy_loss(logprobs, old, advantages[idx], mask[idx], args.clip_low,
-                                                 args.clip_high, num_tokens, engine, args.vllm_is_cap)
+                    adv, engine_gap = advantages[idx], None
+                    if rollout.logprobs is not None:  # vLLM sampled the tokens
+                        adv, engine_gap = engine_correction(adv, old, rollout.logprobs[idx], args.vllm_importance_cap)
+                    pg_loss, stats = policy_loss(logprobs, old, adv, mask[idx], args.clip_low, args.clip_high,
+                                                 num_tokens)
                     if ref_logprobs is not None:
                         kl = token_mean(kl_k3(logprobs, ref_logprobs[idx]), mask[idx], num_tokens)
                     else:
                         kl = torch.zeros((), device=logprobs.device)
                     entropy_bonus = token_mean(entropy, mask[idx], num_tokens)  # eq. 3's S term
+                    if engine_gap is not None:
+                        stats["vllm_logprob_diff"] = token_mean(engine_gap, mask[idx], num_tokens).item()
                     loss = pg_loss + args.beta * kl - args.ent_coef * entropy_bonus
                     loss.backward()
                 stats.update(policy_loss=pg_loss.item(), kl_ref=kl.item(), entropy=entropy_bonus.item())
@@ -410,7 +420,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             # ---- Rollout: G completions for each prompt of this process's share ----------------------
             tasks = sampler.next_batch(args.prompts_per_step, d)
             prompts = [common.make_prompt(tokenizer, t, args.prompt_template) for t in tasks]
-            seed = args.seed * 1_000_003 + (step * args.max_generation_batches + len(batches)) * 1_009 + d.rank
+            seed = common.generation_seed(args.seed, step * args.max_generation_batches + len(batches), d.rank)
             rollout = backend.generate(prompts, args.group_size, args.max_new_tokens, args.temperature,
                                        args.top_p, seed=seed)
             group_tasks = [t for t in tasks for _ in range(args.group_size)]
@@ -475,42 +485,44 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
         # ---- Logging: rewards and lengths of everything generated, advantages of what was trained on ----
         step_time = time.perf_counter() - step_start
         generated = torch.cat([b.rewards for b in batches])
-        n_seq, n_tokens = len(generated), sum(b.rollout.completion_lengths.sum().item() for b in batches)
-        zero_std_groups = sum(equal_reward_groups(b.rewards, G).sum().item() for b in batches)
         trained = advantages[kept]
-        sums = common.all_reduce_sum(
-            [generated.sum().item(), sum(sum(b.correct) for b in batches), sum(sum(b.well_formed) for b in batches),
-             n_tokens, n_seq, zero_std_groups, sum(r == "length" for b in batches for r in b.rollout.finish_reasons),
-             trained.sum().item(), trained.pow(2).sum().item(), len(trained),
-             sum(b.seconds for b in batches[1:])] + [stats[k] for k in sorted(stats)], d)
-        total_seq, total_tokens = sums[4], sums[3]
-        adv_mean = sums[7] / max(sums[9], 1)
+        totals = common.all_reduce_sums({
+            "reward": generated.sum().item(), "correct": sum(sum(b.correct) for b in batches),
+            "well_formed": sum(sum(b.well_formed) for b in batches),
+            "tokens": sum(b.rollout.completion_lengths.sum().item() for b in batches), "sequences": len(generated),
+            "zero_std_groups": sum(equal_reward_groups(b.rewards, G).sum().item() for b in batches),
+            "truncated": sum(r == "length" for b in batches for r in b.rollout.finish_reasons),
+            "advantage": trained.sum().item(), "advantage_squared": trained.pow(2).sum().item(),
+            "trained": len(trained), "regeneration_seconds": sum(b.seconds for b in batches[1:]),
+            **{f"update/{k}": v for k, v in stats.items()}}, d)
+        n = totals["sequences"]
+        adv_mean = totals["advantage"] / max(totals["trained"], 1)
         scalars = {
-            "charts/reward": sums[0] / total_seq,
-            "charts/accuracy": sums[1] / total_seq,
-            "charts/format_rate": sums[2] / total_seq,
-            "charts/response_length": total_tokens / total_seq,
-            "charts/truncated_fraction": sums[6] / total_seq,
-            "charts/zero_std_fraction": sums[5] / (total_seq / G),
+            "charts/reward": totals["reward"] / n,
+            "charts/accuracy": totals["correct"] / n,
+            "charts/format_rate": totals["well_formed"] / n,
+            "charts/response_length": totals["tokens"] / n,
+            "charts/truncated_fraction": totals["truncated"] / n,
+            "charts/zero_std_fraction": totals["zero_std_groups"] / (n / G),
             "charts/generation_batches": len(batches),
-            "charts/dropped_fraction": 1 - sums[9] / total_seq,  # generated groups not trained on
+            "charts/dropped_fraction": 1 - totals["trained"] / n,  # generated groups not trained on
             "charts/advantage_mean": adv_mean,
-            "charts/advantage_std": max(sums[8] / max(sums[9], 1) - adv_mean**2, 0.0) ** 0.5,
+            "charts/advantage_std": max(totals["advantage_squared"] / max(totals["trained"], 1) - adv_mean**2, 0.0) ** 0.5,
             "charts/learning_rate": scheduler.get_last_lr()[0],
-            "charts/tokens_per_second": total_tokens / step_time,
+            "charts/tokens_per_second": totals["tokens"] / step_time,
             "charts/skipped_steps": skipped_steps,
             "time/generation": generation_time.seconds,
-            "time/regeneration": sums[10] / d.world_size,  # generation batches after the first
+            "time/regeneration": totals["regeneration_seconds"] / d.world_size,  # generation batches after the first
             "time/update": update_time.seconds,
             "time/weight_sync": sync_time.seconds,
             "time/step": step_time,
         }
-        if sums[9] < args.prompts_per_step * G:
+        if totals["trained"] < args.prompts_per_step * G:
             bar.write(f"step {step}: dynamic sampling stopped at --max-generation-batches="
-                      f"{args.max_generation_batches}; training on {int(sums[9]) // G} informative groups, not "
-                      f"{args.prompts_per_step}")
-        for k, v in zip(sorted(stats), sums[11:]):
-            scalars[("charts/" if k in ("ratio", "vllm_logprob_diff") else "losses/") + k] = v / d.world_size
+                      f"{args.max_generation_batches}; training on {int(totals['trained']) // G} informative groups, "
+                      f"not {args.prompts_per_step}")
+        for k in stats:  # the update's means, averaged over processes
+            scalars[("charts/" if k in ("ratio", "vllm_logprob_diff") else "losses/") + k] = totals[f"update/{k}"] / d.world_size
         if args.eval_every and step % args.eval_every == 0 or step == args.num_steps:
             scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, d,
                                            args.prompt_template))
@@ -537,6 +549,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
 
     bar.close()
     logger.close()
+    backend.close()
     common.cleanup_distributed()
     return {"run_dir": run_dir, **scalars}
 

@@ -1,4 +1,6 @@
-"""GRPO on the Countdown game: paper section 2.2, equations 9 (objective), 10 (advantage), 11 (KL).
+"""Paper: "Comparative Analysis and Parametric Tuning of PPO, GRPO, and DAPO for LLM Reasoning Enhancement" (arXiv:2512.07611, https://arxiv.org/abs/2512.07611).
+
+GRPO on the Countdown game: paper section 2.2, equations 9 (objective), 10 (advantage), 11 (KL).
 
     python grpo.py                                             # bundled SmolLM2-135M, CPU, offline
     python grpo.py --model Qwen/Qwen2.5-1.5B-Instruct ...      # the paper's model, GPU
@@ -80,7 +82,7 @@ class Args:
     """--backend vllm on CPU: KV-cache size in GiB per process (VLLM_CPU_KVCACHE_SPACE)"""
     vllm_sleep_mode: bool = False
     """--backend vllm on GPU: free the engine's KV cache and move its weights to host memory during the update"""
-    vllm_is_cap: float = 0.0
+    vllm_importance_cap: float = 0.0
     """--backend vllm: weight each token by min(pi_old / pi_vllm, cap), truncated importance sampling (0: off)"""
     max_new_tokens: int = 256
     """longest completion; longer ones are cut and marked truncated"""
@@ -183,24 +185,19 @@ def sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return per_sequence.mean()
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float, engine_logprobs=None,
-                is_cap: float = 0.0):
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float):
     """Minus eq. 9's clipped surrogate (without the KL term), sample-level aggregation.
 
-    logprobs, old_logprobs, mask: (B, T); advantages: (B,), one per sequence, shared by its tokens.
-    engine_logprobs (B, T), when vLLM sampled the tokens: the gap |log pi_old - log pi_vllm| is logged
-    and, with `is_cap` > 0, each token is weighted by min(pi_old / pi_vllm, is_cap) (truncated IS).
+    logprobs, old_logprobs, mask: (B, T); advantages: (B,), one per sequence, shared by its tokens
+    (or (B, T) once engine_correction has weighted them).
     """
     mask = mask.to(logprobs.dtype)
     log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     ratio = torch.exp(log_ratio)
-    adv = advantages.unsqueeze(-1)
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages  # per sequence, or per token
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv
     surrogate = torch.min(unclipped, clipped)
-    engine_gap = None if engine_logprobs is None else old_logprobs - engine_logprobs
-    if engine_gap is not None and is_cap > 0:  # the engine/trainer mismatch: truncated importance sampling
-        surrogate = surrogate * engine_gap.exp().clamp(max=is_cap)
     loss = -sequence_mean(surrogate, mask)
     with torch.no_grad():
         stats = {
@@ -209,10 +206,18 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float, engin
             "approx_kl": sequence_mean(torch.exp(log_ratio) - 1 - log_ratio, mask).item(),  # k3 to old policy
             "ratio": sequence_mean(ratio, mask).item(),
         }
-        if engine_gap is not None:
-            stats["vllm_logprob_diff"] = sequence_mean(engine_gap.abs(), mask).item()
     return loss, stats
 
+
+def engine_correction(advantages, old_logprobs, engine_logprobs, cap: float):
+    """vLLM sampled the tokens from pi_vllm (other kernels, maybe another precision), not from pi_old.
+    Returns the per-token gap |log pi_old - log pi_vllm| (logged) and, with cap > 0, the advantages
+    weighted per token by min(pi_old / pi_vllm, cap): truncated importance sampling. Weighting the
+    advantage weights the clipped surrogate: min(r A, clip(r) A) w = min(r A w, clip(r) A w) for w >= 0."""
+    gap = (old_logprobs - engine_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    if cap > 0:
+        advantages = (advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages) * gap.exp().clamp(max=cap)
+    return advantages, gap.abs()
 
 # ----------------------------------------------------------------------------------------------------
 # Update: update_epochs passes of num_minibatches optimizer steps, each accumulated over micro-batches
@@ -236,18 +241,21 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
             micro_batches = minibatch.split(args.micro_batch_size)
             for i, idx in enumerate(micro_batches):
                 last = i == len(micro_batches) - 1
-                with common.no_sync(policy, not last):
+                with common.gradient_sync(policy, enabled=last):
                     logprobs, entropy = common.completion_logprobs(
                         policy, rollout.prompt_ids[idx], rollout.prompt_mask[idx], rollout.completion_ids[idx],
                         rollout.completion_mask[idx], args.temperature, with_entropy=True)
                     old = logprobs.detach() if old_logprobs is None else old_logprobs[idx]
-                    engine = None if rollout.logprobs is None else rollout.logprobs[idx]  # vLLM sampled them
-                    pg_loss, stats = policy_loss(logprobs, old, advantages[idx], mask[idx], args.clip_eps, engine,
-                                                 args.vllm_is_cap)
+                    adv, engine_gap = advantages[idx], None
+                    if rollout.logprobs is not None:  # vLLM sampled the tokens
+                        adv, engine_gap = engine_correction(adv, old, rollout.logprobs[idx], args.vllm_importance_cap)
+                    pg_loss, stats = policy_loss(logprobs, old, adv, mask[idx], args.clip_eps)
                     if ref_logprobs is not None:
                         kl = sequence_mean(kl_k3(logprobs, ref_logprobs[idx]), mask[idx])
                     else:
                         kl = torch.zeros((), device=logprobs.device)
+                    if engine_gap is not None:
+                        stats["vllm_logprob_diff"] = sequence_mean(engine_gap, mask[idx]).item()
                     loss = pg_loss + args.beta * kl
                     (loss * len(idx) / len(minibatch)).backward()
                 stats.update(policy_loss=pg_loss.item(), kl_ref=kl.item(),
@@ -332,7 +340,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
         prompts = [common.make_prompt(tokenizer, t, args.prompt_template) for t in tasks]
         with common.Timer() as generation_time, common.out_of_memory_hint("generation", args):
             rollout = backend.generate(prompts, args.group_size, args.max_new_tokens, args.temperature,
-                                       args.top_p, seed=args.seed * 1_000_003 + step * 1_009 + d.rank)
+                                       args.top_p, seed=common.generation_seed(args.seed, step, d.rank))
         group_tasks = [t for t in tasks for _ in range(args.group_size)]
 
         # ---- Reward ------------------------------------------------------------------------------
@@ -370,38 +378,39 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
 
         # ---- Logging -----------------------------------------------------------------------------
         step_time = time.perf_counter() - step_start
-        n_seq, n_tokens = len(rewards), rollout.completion_lengths.sum().item()
-        sums = common.all_reduce_sum(
-            [rewards.sum().item(), sum(correct), sum(well_formed), n_tokens, n_seq, zero_std_groups,
-             sum(r == "length" for r in rollout.finish_reasons), advantages.sum().item(),
-             advantages.pow(2).sum().item()] + [stats[k] for k in sorted(stats)], d)
-        total_seq, total_tokens = sums[4], sums[3]
-        adv_mean = sums[7] / total_seq
+        totals = common.all_reduce_sums({
+            "reward": rewards.sum().item(), "correct": sum(correct), "well_formed": sum(well_formed),
+            "tokens": rollout.completion_lengths.sum().item(), "sequences": len(rewards),
+            "zero_std_groups": zero_std_groups, "truncated": sum(r == "length" for r in rollout.finish_reasons),
+            "advantage": advantages.sum().item(), "advantage_squared": advantages.pow(2).sum().item(),
+            **{f"update/{k}": v for k, v in stats.items()}}, d)
+        n = totals["sequences"]
+        adv_mean = totals["advantage"] / n
         scalars = {
-            "charts/reward": sums[0] / total_seq,
-            "charts/accuracy": sums[1] / total_seq,
-            "charts/format_rate": sums[2] / total_seq,
-            "charts/response_length": total_tokens / total_seq,
-            "charts/truncated_fraction": sums[6] / total_seq,
-            "charts/zero_std_fraction": sums[5] / (total_seq / args.group_size),
+            "charts/reward": totals["reward"] / n,
+            "charts/accuracy": totals["correct"] / n,
+            "charts/format_rate": totals["well_formed"] / n,
+            "charts/response_length": totals["tokens"] / n,
+            "charts/truncated_fraction": totals["truncated"] / n,
+            "charts/zero_std_fraction": totals["zero_std_groups"] / (n / args.group_size),
             "charts/advantage_mean": adv_mean,
-            "charts/advantage_std": max(sums[8] / total_seq - adv_mean**2, 0.0) ** 0.5,
+            "charts/advantage_std": max(totals["advantage_squared"] / n - adv_mean**2, 0.0) ** 0.5,
             "charts/learning_rate": scheduler.get_last_lr()[0],
-            "charts/tokens_per_second": total_tokens / step_time,
+            "charts/tokens_per_second": totals["tokens"] / step_time,
             "charts/skipped_steps": skipped_steps,
             "time/generation": generation_time.seconds,
             "time/update": update_time.seconds,
             "time/weight_sync": sync_time.seconds,
             "time/step": step_time,
         }
-        for k, v in zip(sorted(stats), sums[9:]):
-            scalars[("charts/" if k in ("ratio", "vllm_logprob_diff") else "losses/") + k] = v / d.world_size
+        for k in stats:  # the update's means, averaged over processes
+            scalars[("charts/" if k in ("ratio", "vllm_logprob_diff") else "losses/") + k] = totals[f"update/{k}"] / d.world_size
         if args.eval_every and step % args.eval_every == 0 or step == args.num_steps:
             scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, d,
                                            args.prompt_template))
         logger.log(step, scalars)
         if step % args.log_samples_every == 0 or step == 1:
-            logger.log_samples(step, [prompts[i // args.group_size] for i in range(n_seq)], rollout.texts,
+            logger.log_samples(step, [prompts[i // args.group_size] for i in range(len(rewards))], rollout.texts,
                                rewards.tolist())
         bar.show(scalars)
         stopping = stop.requested(d)
@@ -421,6 +430,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
 
     bar.close()
     logger.close()
+    backend.close()
     common.cleanup_distributed()
     return {"run_dir": run_dir, **scalars}
 

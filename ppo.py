@@ -1,4 +1,6 @@
-"""PPO on the Countdown game: paper section 2.1 and appendix C, equations 3-5 (loss, entropy), 7 (clipped
+"""Paper: "Comparative Analysis and Parametric Tuning of PPO, GRPO, and DAPO for LLM Reasoning Enhancement" (arXiv:2512.07611, https://arxiv.org/abs/2512.07611).
+
+PPO on the Countdown game: paper section 2.1 and appendix C, equations 3-5 (loss, entropy), 7 (clipped
 objective), 8 (KL penalty in the reward), 21-22 (GAE) and 26 (clipped value loss).
 
 An actor and a learned critic (the same base model with a scalar head on every token). The Countdown
@@ -85,7 +87,7 @@ class Args:
     """--backend vllm on CPU: KV-cache size in GiB per process (VLLM_CPU_KVCACHE_SPACE)"""
     vllm_sleep_mode: bool = False
     """--backend vllm on GPU: free the engine's KV cache and move its weights to host memory during the update"""
-    vllm_is_cap: float = 0.0
+    vllm_importance_cap: float = 0.0
     """--backend vllm: weight each token by min(pi_old / pi_vllm, cap), truncated importance sampling (0: off)"""
     max_new_tokens: int = 256
     """longest completion; longer ones are cut and marked truncated"""
@@ -157,6 +159,43 @@ class Args:
 
 
 # ----------------------------------------------------------------------------------------------------
+# The critic: V(s_t) for every completion token
+# ----------------------------------------------------------------------------------------------------
+def load_value_model(path: str, device: torch.device, gradient_checkpointing: bool = False,
+                     dtype: torch.dtype = torch.float32):
+    """PPO's critic: the same pretrained backbone with a new scalar head on every token
+    (AutoModelForTokenClassification, num_labels=1, as verl does); no dropout in the head; float32
+    weights and a `dtype` forward, as load_model."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    common.quiet_transformers()  # the new head is "newly initialized", as intended
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    config.classifier_dropout = 0.0  # dropout would make V differ between the rollout and the update
+    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32).to(device)
+    common.disable_dropout(model)
+    model.eval()
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return common.autocast_forward(model, dtype)
+
+
+def completion_values(critic, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+    """V(s_t) (B, T) for every completion token t: the critic's output at the position that predicts
+    token t, i.e. after the prompt and o_<t (the same positions as the log-probs)."""
+    input_ids, attention_mask, position_ids = common.model_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    T = completion_ids.shape[1]
+    out = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    return out.logits[:, -(T + 1):-1, 0].float()
+
+
+@torch.no_grad()
+def batched_values(critic, rollout: common.Rollout, micro_batch_size: int) -> torch.Tensor:
+    """completion_values over the whole rollout in micro-batches, without gradients."""
+    return common.over_micro_batches(lambda *batch: completion_values(common.unwrap(critic), *batch), rollout,
+                                     micro_batch_size)
+
+
+# ----------------------------------------------------------------------------------------------------
 # PPO's mathematics
 # ----------------------------------------------------------------------------------------------------
 LOG_RATIO_LIMIT = 20.0
@@ -205,13 +244,10 @@ def token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: float | Non
     return torch.where(mask.bool(), values, 0.0).sum() / num_tokens
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float, num_tokens: float | None = None,
-                engine_logprobs=None, is_cap: float = 0.0):
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float, num_tokens: float | None = None):
     """Minus eq. 7's clipped surrogate, token-level aggregation.
 
     logprobs, old_logprobs, advantages, mask: (B, T); advantages are per token (GAE).
-    engine_logprobs (B, T), when vLLM sampled the tokens: the gap |log pi_old - log pi_vllm| is logged
-    and, with `is_cap` > 0, each token is weighted by min(pi_old / pi_vllm, is_cap) (truncated IS).
     """
     mask = mask.to(logprobs.dtype)
     log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
@@ -219,9 +255,6 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float, num_t
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages
     surrogate = torch.min(unclipped, clipped)
-    engine_gap = None if engine_logprobs is None else old_logprobs - engine_logprobs
-    if engine_gap is not None and is_cap > 0:  # the engine/trainer mismatch: truncated importance sampling
-        surrogate = surrogate * engine_gap.exp().clamp(max=is_cap)
     loss = -token_mean(surrogate, mask, num_tokens)
     with torch.no_grad():
         stats = {
@@ -230,8 +263,6 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float, num_t
             "approx_kl": token_mean(torch.exp(log_ratio) - 1 - log_ratio, mask, num_tokens).item(),  # k3 to old
             "ratio": token_mean(ratio, mask, num_tokens).item(),
         }
-        if engine_gap is not None:
-            stats["vllm_logprob_diff"] = token_mean(engine_gap.abs(), mask, num_tokens).item()
     return loss, stats
 
 
@@ -245,6 +276,16 @@ def value_loss(values, old_values, returns, mask, clip_value: float, num_tokens:
         stats = {"value_clipfrac": token_mean((clipped > unclipped).to(mask.dtype), mask, num_tokens).item()}
     return loss, stats
 
+
+def engine_correction(advantages, old_logprobs, engine_logprobs, cap: float):
+    """vLLM sampled the tokens from pi_vllm (other kernels, maybe another precision), not from pi_old.
+    Returns the per-token gap |log pi_old - log pi_vllm| (logged) and, with cap > 0, the advantages
+    weighted per token by min(pi_old / pi_vllm, cap): truncated importance sampling. Weighting the
+    advantage weights the clipped surrogate: min(r A, clip(r) A) w = min(r A w, clip(r) A w) for w >= 0."""
+    gap = (old_logprobs - engine_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    if cap > 0:
+        advantages = (advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages) * gap.exp().clamp(max=cap)
+    return advantages, gap.abs()
 
 # ----------------------------------------------------------------------------------------------------
 # Update: update_epochs passes of num_minibatches optimizer steps, each accumulated over micro-batches
@@ -274,8 +315,8 @@ def update_policy(policy, critic, optimizer, critic_optimizer, rollout: common.R
                 last = i == len(micro_batches) - 1
                 inputs = (rollout.prompt_ids[idx], rollout.prompt_mask[idx], rollout.completion_ids[idx],
                           rollout.completion_mask[idx])
-                with common.no_sync(critic, not last), common.no_sync(policy, not last and train_actor):
-                    values = common.completion_values(critic, *inputs)
+                with common.gradient_sync(critic, enabled=last), common.gradient_sync(policy, enabled=last or not train_actor):
+                    values = completion_values(critic, *inputs)
                     vf_loss, stats = value_loss(values, old_values[idx], returns[idx], mask[idx], args.clip_value,
                                                 num_tokens)
                     loss = args.vf_coef * vf_loss
@@ -283,9 +324,14 @@ def update_policy(policy, critic, optimizer, critic_optimizer, rollout: common.R
                         logprobs, entropy = common.completion_logprobs(policy, *inputs, args.temperature,
                                                                        with_entropy=True,
                                                                        entropy_grad=args.ent_coef > 0)
-                        engine = None if rollout.logprobs is None else rollout.logprobs[idx]  # vLLM sampled them
-                        pg_loss, pg_stats = policy_loss(logprobs, old_logprobs[idx], advantages[idx], mask[idx],
-                                                        args.clip_eps, num_tokens, engine, args.vllm_is_cap)
+                        adv, engine_gap = advantages[idx], None
+                        if rollout.logprobs is not None:  # vLLM sampled the tokens
+                            adv, engine_gap = engine_correction(adv, old_logprobs[idx], rollout.logprobs[idx],
+                                                                args.vllm_importance_cap)
+                        pg_loss, pg_stats = policy_loss(logprobs, old_logprobs[idx], adv, mask[idx], args.clip_eps,
+                                                        num_tokens)
+                        if engine_gap is not None:
+                            pg_stats["vllm_logprob_diff"] = token_mean(engine_gap, mask[idx], num_tokens).item()
                         entropy_bonus = token_mean(entropy, mask[idx], num_tokens)  # eq. 4
                         loss = pg_loss + loss - args.ent_coef * entropy_bonus
                         stats.update(pg_stats, policy_loss=pg_loss.item(), entropy=entropy_bonus.item())
@@ -356,7 +402,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
     tokenizer = common.load_tokenizer(model_path)
     dtype = common.compute_dtype(args.compute_dtype, d.device)  # float32 weights, `dtype` matrix products
     policy = common.load_model(str(checkpoint or model_path), d.device, args.gradient_checkpointing, dtype=dtype)
-    critic = common.load_value_model(str(checkpoint / "critic") if checkpoint else model_path, d.device,
+    critic = load_value_model(str(checkpoint / "critic") if checkpoint else model_path, d.device,
                                      args.gradient_checkpointing, dtype=dtype)
     ref_model = common.load_model(model_path, d.device, trainable=False, dtype=dtype) if args.beta > 0 else None
     policy = common.parallelize(policy, d, args.fsdp, args.fsdp_cpu_offload)  # DDP, or FSDP2 with --fsdp
@@ -388,7 +434,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
         prompts = [common.make_prompt(tokenizer, t, args.prompt_template) for t in tasks]
         with common.Timer() as generation_time, common.out_of_memory_hint("generation", args):
             rollout = backend.generate(prompts, args.group_size, args.max_new_tokens, args.temperature,
-                                       args.top_p, seed=args.seed * 1_000_003 + step * 1_009 + d.rank)
+                                       args.top_p, seed=common.generation_seed(args.seed, step, d.rank))
         group_tasks = [t for t in tasks for _ in range(args.group_size)]
 
         # ---- Reward ------------------------------------------------------------------------------
@@ -405,7 +451,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             # computed; V_old is the critic before this update (GAE and eq. 26's clipping).
             mask = rollout.completion_mask.to(torch.float32)
             old_logprobs = common.batched_logprobs(policy, rollout, args.micro_batch_size, args.temperature)[0]
-            old_values = common.batched_values(critic, rollout, args.micro_batch_size)
+            old_values = batched_values(critic, rollout, args.micro_batch_size)
             ref_logprobs = common.batched_logprobs(
                 ref_model, rollout, args.micro_batch_size, args.temperature)[0] if args.beta > 0 else old_logprobs
 
@@ -434,48 +480,49 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
 
         # ---- Logging -----------------------------------------------------------------------------
         step_time = time.perf_counter() - step_start
-        n_seq, n_tokens = len(rewards), rollout.completion_lengths.sum().item()
         errors = (returns - old_values) * mask
-        sums = common.all_reduce_sum(
-            [rewards.sum().item(), sum(correct), sum(well_formed), n_tokens, n_seq, zero_std_groups,
-             sum(r == "length" for r in rollout.finish_reasons), (advantages * mask).sum().item(),
-             (advantages.pow(2) * mask).sum().item(), (old_values * mask).sum().item(),
-             (returns * mask).sum().item(), (returns.pow(2) * mask).sum().item(), errors.sum().item(),
-             errors.pow(2).sum().item()] + [stats[k] for k in sorted(stats)], d)
-        total_seq, total_tokens = sums[4], sums[3]
-        adv_mean = sums[7] / total_tokens  # per token
-        return_mean = sums[10] / total_tokens
-        return_var = sums[11] / total_tokens - return_mean**2
-        error_var = sums[13] / total_tokens - (sums[12] / total_tokens) ** 2
+        totals = common.all_reduce_sums({
+            "reward": rewards.sum().item(), "correct": sum(correct), "well_formed": sum(well_formed),
+            "tokens": rollout.completion_lengths.sum().item(), "sequences": len(rewards),
+            "zero_std_groups": zero_std_groups, "truncated": sum(r == "length" for r in rollout.finish_reasons),
+            "advantage": (advantages * mask).sum().item(), "advantage_squared": (advantages.pow(2) * mask).sum().item(),
+            "value": (old_values * mask).sum().item(), "return": (returns * mask).sum().item(),
+            "return_squared": (returns.pow(2) * mask).sum().item(), "error": errors.sum().item(),
+            "error_squared": errors.pow(2).sum().item(), **{f"update/{k}": v for k, v in stats.items()}}, d)
+        n, tokens = totals["sequences"], totals["tokens"]
+        adv_mean = totals["advantage"] / tokens  # per token
+        return_mean = totals["return"] / tokens
+        return_var = totals["return_squared"] / tokens - return_mean**2
+        error_var = totals["error_squared"] / tokens - (totals["error"] / tokens) ** 2
         scalars = {
-            "charts/reward": sums[0] / total_seq,
-            "charts/accuracy": sums[1] / total_seq,
-            "charts/format_rate": sums[2] / total_seq,
-            "charts/response_length": total_tokens / total_seq,
-            "charts/truncated_fraction": sums[6] / total_seq,
+            "charts/reward": totals["reward"] / n,
+            "charts/accuracy": totals["correct"] / n,
+            "charts/format_rate": totals["well_formed"] / n,
+            "charts/response_length": tokens / n,
+            "charts/truncated_fraction": totals["truncated"] / n,
             "charts/advantage_mean": adv_mean,
-            "charts/advantage_std": max(sums[8] / total_tokens - adv_mean**2, 0.0) ** 0.5,
-            "charts/value_mean": sums[9] / total_tokens,
+            "charts/advantage_std": max(totals["advantage_squared"] / tokens - adv_mean**2, 0.0) ** 0.5,
+            "charts/value_mean": totals["value"] / tokens,
             "charts/return_mean": return_mean,
             "charts/explained_variance": 1 - error_var / return_var if return_var > 0 else float("nan"),
             "charts/learning_rate": scheduler.get_last_lr()[0],
-            "charts/tokens_per_second": total_tokens / step_time,
+            "charts/tokens_per_second": tokens / step_time,
             "charts/skipped_steps": skipped_steps,
             "time/generation": generation_time.seconds,
             "time/update": update_time.seconds,
             "time/weight_sync": sync_time.seconds,
             "time/step": step_time,
         }
-        for k, v in zip(sorted(stats), sums[14:]):
-            scalars[("charts/" if k in ("ratio", "vllm_logprob_diff") else "losses/") + k] = v / d.world_size
+        for k in stats:  # the update's means, averaged over processes
+            scalars[("charts/" if k in ("ratio", "vllm_logprob_diff") else "losses/") + k] = totals[f"update/{k}"] / d.world_size
         if args.group_size > 1:
-            scalars["charts/zero_std_fraction"] = sums[5] / (total_seq / args.group_size)
+            scalars["charts/zero_std_fraction"] = totals["zero_std_groups"] / (n / args.group_size)
         if args.eval_every and step % args.eval_every == 0 or step == args.num_steps:
             scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, d,
                                            args.prompt_template))
         logger.log(step, scalars)
         if step % args.log_samples_every == 0 or step == 1:
-            logger.log_samples(step, [prompts[i // args.group_size] for i in range(n_seq)], rollout.texts,
+            logger.log_samples(step, [prompts[i // args.group_size] for i in range(len(rewards))], rollout.texts,
                                rewards.tolist())
         bar.show(scalars)
         stopping = stop.requested(d)
@@ -495,6 +542,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
 
     bar.close()
     logger.close()
+    backend.close()
     common.cleanup_distributed()
     return {"run_dir": run_dir, **scalars}
 

@@ -82,19 +82,19 @@ def test_unclipped_side_keeps_its_gradient():
 
 
 def test_truncated_importance_weights_scale_each_token_of_the_surrogate():
-    # --vllm-is-cap 2: ratio 1, A = +1 on two tokens of one sequence; the engine gave them log-probs
+    # --vllm-importance-cap 2: ratio 1, A = +1 on two tokens of one sequence; the engine gave them log-probs
     # ln 2 and ln 1/3 above pi_old's (0): weights min(0.5, 2) and min(3, 2) -> -(0.5 + 2) / 2
     logprobs = torch.zeros(1, 2, requires_grad=True)
     engine = torch.tensor([[math.log(2.0), math.log(1 / 3)]])
-    loss, stats = grpo.policy_loss(logprobs, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), 0.2,
-                                   engine, is_cap=2.0)
+    adv, gap = grpo.engine_correction(torch.tensor([1.0]), torch.zeros(1, 2), engine, cap=2.0)
+    loss, stats = grpo.policy_loss(logprobs, torch.zeros(1, 2), adv, torch.ones(1, 2), 0.2)
     loss.backward()
     assert loss.item() == pytest.approx(-1.25)
     torch.testing.assert_close(logprobs.grad, torch.tensor([[-0.25, -1.0]]))
-    assert stats["vllm_logprob_diff"] == pytest.approx((math.log(2) + math.log(3)) / 2)  # logged either way
-    unweighted, off = grpo.policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2),
-                                       0.2, engine)  # is_cap 0: no correction, the gap still logged
-    assert unweighted.item() == pytest.approx(-1.0) and off["vllm_logprob_diff"] == stats["vllm_logprob_diff"]
+    assert grpo.sequence_mean(gap, torch.ones(1, 2)).item() == pytest.approx((math.log(2) + math.log(3)) / 2)
+    same, off_gap = grpo.engine_correction(torch.tensor([1.0]), torch.zeros(1, 2), engine, cap=0.0)
+    unweighted, _ = grpo.policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), same, torch.ones(1, 2), 0.2)
+    assert unweighted.item() == pytest.approx(-1.0) and torch.equal(off_gap, gap)  # cap 0: the gap, no weights
 
 
 def test_sample_level_aggregation_weights_each_sequence_equally():

@@ -60,7 +60,7 @@ def test_bad_flags_exit_with_a_one_line_error(script, flags, message, tmp_path):
     ("ppo", {"keep_checkpoints": -1}, "--keep-checkpoints=-1 is not allowed: >= 0"),
     ("grpo", {"backend": "vllm", "vllm_sleep_mode": True, "device": "cpu"},
      "--vllm-sleep-mode=True is not allowed: off unless --backend vllm on a GPU"),
-    ("dapo", {"vllm_is_cap": 2.0}, "--vllm-is-cap=2.0 is not allowed: 0 unless --backend vllm"),
+    ("dapo", {"vllm_importance_cap": 2.0}, "--vllm-importance-cap=2.0 is not allowed: 0 unless --backend vllm"),
 ])
 def test_flags_are_checked_before_anything_loads(algo, fields, message):
     import importlib
@@ -84,6 +84,8 @@ def test_grpo_runs_with_the_bundled_model(tmp_path):
                 "losses/grad_norm", "charts/eval_accuracy", "time/generation", "time/update"]:
         assert key in rows[-1], key
     assert rows[0]["losses/kl_ref"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
+    # where the run is and how to see it, at the start and at the end
+    assert result.stdout.count(f"run folder: {run_dir}  (curves: tensorboard --logdir {tmp_path})") == 2
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(run_dir))
     samples = [json.loads(line) for line in open(os.path.join(run_dir, "samples.jsonl"))]
     assert samples and "Let me solve this step by step" in samples[0]["prompt"]

@@ -51,8 +51,9 @@ def test_engine_matches_hf_and_follows_weight_syncs(bundled_dir, tmp_path):
 def test_scripts_run_with_vllm(script, small_model_dir, tmp_path):
     result = run([script, "--model", small_model_dir, "--backend", "vllm", "--num-steps", "2", "--prompts-per-step", "1", "--group-size", "2",
                   "--max-new-tokens", "8", "--eval-size", "1", "--runs-dir", str(tmp_path), "--learning-rate", "1e-5",
-                  "--vllm-kv-cache-gib", "1", "--beta", "0", "--vllm-is-cap", "2", "--num-minibatches", "2"])
+                  "--vllm-kv-cache-gib", "1", "--beta", "0", "--vllm-importance-cap", "2", "--num-minibatches", "2"])
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]  # the engine shut down before the process group
     _, rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["time/weight_sync"] > 0 and r["charts/response_length"] > 0 for r in rows)
@@ -71,6 +72,7 @@ def test_an_engine_per_torchrun_process_follows_the_sharded_weights(small_model_
                   "--dynamic-sampling-metric", "reward"],  # the toy reward is rarely "correct" (all tokens even)
                  torchrun=True, threads="1")
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
     _, rows = metrics(runs)  # rank 0 writes the metrics summed over both processes
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["time/weight_sync"] > 0 for r in rows)

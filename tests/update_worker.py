@@ -51,8 +51,8 @@ def main():
     trained = [policy]
     if algo_name == "ppo":
         # per-token rewards (eq. 8), GAE, and whitening over both processes' shares together
-        critic = common.load_value_model(model_dir, d.device)
-        old_values = common.batched_values(critic, full, 8) + 0.1 * torch.randn(
+        critic = algo.load_value_model(model_dir, d.device)
+        old_values = algo.batched_values(critic, full, 8) + 0.1 * torch.randn(
             full.completion_ids.shape, generator=torch.Generator().manual_seed(2))
         mask = full.completion_mask.float()
         token_reward = algo.token_rewards(rewards, old_logprobs_full, ref_logprobs_full, mask, args.beta)

@@ -181,7 +181,7 @@ def equal_reward_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
     """Eq. 10: A_i = (r_i - mean(r)) / (std(r) + eps) within each group of `group_size` contiguous rewards.
 
-    std is the population standard deviation (divide by G), as in concepts.txt's worked example.
+    std is the population standard deviation (divide by G), as in the worked example of the seminar notes.
     Computed in float32 whatever the rewards' dtype; a group whose rewards are all equal gets exactly
     0 (in float32, [0.1] * 8 would otherwise give -0.0075 from the round-off of its mean).
     """

@@ -2,7 +2,7 @@
 
 Runs the script as a user would, reads its metrics.jsonl, and prints one JSON line: the median step time
 after the first step (warm-up), completion tokens per second, and the peak RSS of the training process.
-With --peer PYTHON, also runs ../shared/bench/peer_trl_grpo.py (TRL's GRPOTrainer) with that Python on
+With --peer PYTHON, also runs benchmark/peer_trl_grpo.py (TRL's GRPOTrainer) with that Python on
 the same settings, one after the other, so both numbers come from the same machine and moment.
 
     python benchmark/bench_grpo.py                        # bundled model, 2 prompts x 4, 96 tokens, beta 0.04
@@ -54,7 +54,7 @@ def run_ours(a) -> dict:
 
 
 def run_peer(a) -> dict:
-    peer = os.path.join(ROOT, "..", "shared", "bench", "peer_trl_grpo.py")
+    peer = os.path.join(ROOT, "benchmark", "peer_trl_grpo.py")
     cmd = [a.peer, peer, a.model, "--steps", str(a.steps), "--G", str(a.G), "--prompts", str(a.prompts),
            "--max-new", str(a.max_new), "--threads", str(a.threads)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout

@@ -23,7 +23,7 @@ def one_token_loss(ratio: float, advantage: float, clip_low: float = 0.2, clip_h
 
 
 def test_clip_higher_example_of_concepts():
-    # concepts.txt: ratio 1.35, A > 0, eps_high 0.28 -> objective 1.28 * A, and no gradient
+    # the seminar notes' worked example: ratio 1.35, A > 0, eps_high 0.28 -> objective 1.28 * A, and no gradient
     loss, grad, stats = one_token_loss(1.35, 1.43)
     assert loss == pytest.approx(-1.28 * 1.43, abs=1e-6)
     assert grad == 0.0 and stats["clipfrac"] == 1.0

@@ -19,7 +19,7 @@ from conftest import ROOT, even_token_reward
 
 # ---- Eq. 10: group-relative advantages -------------------------------------------------------------
 def test_advantages_match_concepts_worked_example():
-    # concepts.txt: rewards 2, 10, 3; mean 5; population std sqrt(38/3) = 3.559 ("about 3.5")
+    # the seminar notes' worked example: rewards 2, 10, 3; mean 5; population std sqrt(38/3) = 3.559 ("about 3.5")
     adv = grpo.group_advantages(torch.tensor([2.0, 10.0, 3.0]), group_size=3)
     std = math.sqrt(38 / 3)
     assert adv.tolist() == pytest.approx([-3 / std, 5 / std, -2 / std], abs=1e-5)
@@ -59,14 +59,14 @@ def one_token_loss(ratio: float, advantage: float, *clip, policy_loss=grpo.polic
 
 
 def test_clip_upper_bound_with_positive_advantage():
-    # concepts.txt: ratio 1.35, A = +1.43, eps 0.2 -> objective clip(1.35) * A = 1.2 * 1.43, no gradient
+    # the seminar notes' worked example: ratio 1.35, A = +1.43, eps 0.2 -> objective clip(1.35) * A = 1.2 * 1.43, no gradient
     loss, grad, stats = one_token_loss(1.35, 1.43)
     assert loss == pytest.approx(-1.2 * 1.43, abs=1e-6)
     assert grad == 0.0 and stats["clipfrac"] == 1.0
 
 
 def test_clip_lower_bound_with_negative_advantage():
-    # concepts.txt's PPO example, checked against eq. 1: ratio 0.7, A = -2.1:
+    # the seminar notes' PPO example, checked against eq. 1: ratio 0.7, A = -2.1:
     # min(0.7 * -2.1, 0.8 * -2.1) = min(-1.47, -1.68) = -1.68, the clipped term, so no gradient.
     loss, grad, _ = one_token_loss(0.7, -2.1)
     assert loss == pytest.approx(1.68, abs=1e-6)

@@ -1,6 +1,10 @@
-"""Shared fixtures: the bundled tokenizer and tiny randomly initialised models built from a config."""
+"""Shared fixtures and helpers: the bundled tokenizer, tiny randomly initialised models built from a config,
+toy rewards, running a script as a user does, reading its metrics, and running one update under torchrun."""
 
+import json
+import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -90,3 +94,69 @@ def synthetic_rollout(batch_size: int = 8, prompt_len: int = 6, completion_len: 
     completion_ids = completion_ids.masked_fill(completion_mask == 0, 2)
     return common.Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, [""] * batch_size,
                           ["stop"] * batch_size)
+
+
+# ---- Running the scripts as a user does -------------------------------------------------------------
+def subprocess_env(threads: str = "2") -> dict:
+    """This environment without torchrun's variables (a test may run under one), with a thread count."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = threads
+    return env
+
+
+def run_script(args, timeout=600, torchrun=False, threads="2"):
+    """`python SCRIPT ARGS...` (or under `torchrun --nproc_per_node=2`) from the repository root."""
+    prefix = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun else [sys.executable]
+    return subprocess.run(prefix + args, cwd=ROOT, env=subprocess_env(threads), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def read_metrics(run_root):
+    """(the only run folder under run_root, its metrics.jsonl rows)."""
+    (run_dir,) = [os.path.join(run_root, d) for d in os.listdir(run_root)]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return run_dir, [json.loads(line) for line in f]
+
+
+# ---- The losses and the update, driven by hand ------------------------------------------------------
+def one_token_loss(ratio: float, advantage: float, *clip, policy_loss=None):
+    """A one-token completion whose ratio pi/pi_old is `ratio`: the loss, its gradient wrt log pi, the stats.
+    `clip` and `policy_loss` default to GRPO's (eq. 9, epsilon 0.2); DAPO's tests pass eq. 12's."""
+    import torch
+
+    import grpo
+
+    logprobs = torch.tensor([[math.log(ratio)]], requires_grad=True)
+    loss, stats = (policy_loss or grpo.policy_loss)(logprobs, torch.zeros(1, 1), torch.tensor([advantage]),
+                                                     torch.ones(1, 1), *(clip or (0.2,)))
+    loss.backward()
+    return loss.item(), logprobs.grad.item(), stats
+
+
+def run_update(algo, model_dir, out, nproc=1, **flags):
+    """tests/update_worker.py: one update of `algo` on a fixed batch, in 1 or `nproc` processes; the weights."""
+    import torch
+
+    worker = os.path.join(ROOT, "tests", "update_worker.py")
+    extra = [f"{k}={v}" for k, v in flags.items()]
+    if nproc == 1:
+        cmd = [sys.executable, worker, algo, model_dir, str(out), *extra]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+               worker, algo, model_dir, str(out), *extra]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env("1"), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return torch.load(out)
+
+
+def assert_same_update_for_any_split(algo, model_dir, tmp_path, split_micro_batch_size, **flags):
+    """One process on the whole batch of 8, then 2 DDP and 2 FSDP2 processes with micro-batches of
+    `split_micro_batch_size`: the same weights after the update (FSDP2 reduce-scatters instead)."""
+    import torch
+
+    whole = run_update(algo, model_dir, tmp_path / "whole.pt", micro_batch_size=8, **flags)
+    for fsdp in (False, True):
+        split = run_update(algo, model_dir, tmp_path / f"split-fsdp{fsdp}.pt", nproc=2,
+                           micro_batch_size=split_micro_batch_size, fsdp=fsdp, **flags)
+        torch.testing.assert_close(split, whole, atol=2e-6, rtol=1e-4, msg=lambda m: f"fsdp={fsdp}: {m}")
+    return whole

@@ -12,26 +12,24 @@ from safetensors.torch import load_file
 import common
 import dapo
 import grpo
-from conftest import even_token_reward
-import test_grpo
-from test_grpo import assert_same_update_for_any_split
+from conftest import assert_same_update_for_any_split, even_token_reward, one_token_loss
 
 
 # ---- Eq. 12: clipped surrogate with clip-higher ---------------------------------------------------------
-def one_token_loss(ratio: float, advantage: float, clip_low: float = 0.2, clip_high: float = 0.28):
-    return test_grpo.one_token_loss(ratio, advantage, clip_low, clip_high, policy_loss=dapo.policy_loss)
+def dapo_one_token_loss(ratio: float, advantage: float, clip_low: float = 0.2, clip_high: float = 0.28):
+    return one_token_loss(ratio, advantage, clip_low, clip_high, policy_loss=dapo.policy_loss)
 
 
 def test_clip_higher_example_of_concepts():
     # the seminar notes' worked example: ratio 1.35, A > 0, eps_high 0.28 -> objective 1.28 * A, and no gradient
-    loss, grad, stats = one_token_loss(1.35, 1.43)
+    loss, grad, stats = dapo_one_token_loss(1.35, 1.43)
     assert loss == pytest.approx(-1.28 * 1.43, abs=1e-6)
     assert grad == 0.0 and stats["clipfrac"] == 1.0
 
 
 def test_clip_higher_lets_a_ratio_grow_where_grpo_clips():
     # ratio 1.25, A = +1: GRPO (eps 0.2) clips at 1.2 with no gradient; DAPO's 1.28 bound keeps it.
-    loss, grad, stats = one_token_loss(1.25, 1.0)
+    loss, grad, stats = dapo_one_token_loss(1.25, 1.0)
     assert loss == pytest.approx(-1.25, abs=1e-6)
     assert grad == pytest.approx(-1.25, abs=1e-6)  # d(-r A)/d log r
     assert stats["clipfrac"] == 0.0
@@ -42,11 +40,11 @@ def test_clip_higher_lets_a_ratio_grow_where_grpo_clips():
 
 def test_lower_clip():
     # ratio 0.7, A = -2.1: min(-1.47, 0.8 * -2.1 = -1.68) = -1.68, clipped, no gradient
-    loss, grad, _ = one_token_loss(0.7, -2.1)
+    loss, grad, _ = dapo_one_token_loss(0.7, -2.1)
     assert loss == pytest.approx(1.68, abs=1e-6)
     assert grad == 0.0
     # with clip_low 0.4 the bound is 0.6, so 0.7 is inside: -1.47 and a gradient of -r A = 1.47
-    loss, grad, _ = one_token_loss(0.7, -2.1, clip_low=0.4)
+    loss, grad, _ = dapo_one_token_loss(0.7, -2.1, clip_low=0.4)
     assert loss == pytest.approx(1.47, abs=1e-6)
     assert grad == pytest.approx(1.47, abs=1e-5)
 

@@ -4,8 +4,6 @@ independence from how the batch is split over micro-batches and processes."""
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +12,7 @@ from hypothesis import strategies as st
 
 import common
 import grpo
-from conftest import ROOT, even_token_reward
+from conftest import assert_same_update_for_any_split, even_token_reward, one_token_loss, run_update
 
 
 # ---- Eq. 10: group-relative advantages -------------------------------------------------------------
@@ -48,16 +46,6 @@ def test_kl_k3_values():
 
 
 # ---- Eq. 9: clipped surrogate, sample-level ---------------------------------------------------------
-def one_token_loss(ratio: float, advantage: float, *clip, policy_loss=grpo.policy_loss):
-    """A one-token completion whose ratio pi/pi_old is `ratio`: the loss, its gradient wrt log pi, the stats.
-    `clip` and `policy_loss` default to GRPO's (eq. 9, epsilon 0.2); DAPO's tests pass eq. 12's."""
-    logprobs = torch.tensor([[math.log(ratio)]], requires_grad=True)
-    loss, stats = policy_loss(logprobs, torch.zeros(1, 1), torch.tensor([advantage]), torch.ones(1, 1),
-                              *(clip or (0.2,)))
-    loss.backward()
-    return loss.item(), logprobs.grad.item(), stats
-
-
 def test_clip_upper_bound_with_positive_advantage():
     # the seminar notes' worked example: ratio 1.35, A = +1.43, eps 0.2 -> objective clip(1.35) * A = 1.2 * 1.43, no gradient
     loss, grad, stats = one_token_loss(1.35, 1.43)
@@ -122,31 +110,6 @@ def test_grpo_learns_a_toy_reward(peaked_model_dir, tmp_path):
 
 
 # ---- The update does not depend on the split ----------------------------------------------------------
-def run_update(algo, model_dir, out, nproc=1, **flags):
-    worker = os.path.join(ROOT, "tests", "update_worker.py")
-    extra = [f"{k}={v}" for k, v in flags.items()]
-    if nproc == 1:
-        cmd = [sys.executable, worker, algo, model_dir, str(out), *extra]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-               worker, algo, model_dir, str(out), *extra]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    result = subprocess.run(cmd, capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"}, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return torch.load(out)
-
-
-def assert_same_update_for_any_split(algo, model_dir, tmp_path, split_micro_batch_size, **flags):
-    """One process on the whole batch of 8, then 2 DDP and 2 FSDP2 processes with micro-batches of
-    `split_micro_batch_size`: the same weights after the update (FSDP2 reduce-scatters instead)."""
-    whole = run_update(algo, model_dir, tmp_path / "whole.pt", micro_batch_size=8, **flags)
-    for fsdp in (False, True):
-        split = run_update(algo, model_dir, tmp_path / f"split-fsdp{fsdp}.pt", nproc=2,
-                           micro_batch_size=split_micro_batch_size, fsdp=fsdp, **flags)
-        torch.testing.assert_close(split, whole, atol=2e-6, rtol=1e-4, msg=lambda m: f"fsdp={fsdp}: {m}")
-    return whole
-
-
 def test_update_is_the_same_for_any_split(tiny_model_dir, tmp_path):
     start = torch.cat([t.flatten() for t in common.load_model(tiny_model_dir, torch.device("cpu")).state_dict().values()])
     whole = assert_same_update_for_any_split("grpo", tiny_model_dir, tmp_path, 2)

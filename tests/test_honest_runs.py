@@ -5,7 +5,6 @@ import dataclasses
 import json
 import math
 import os
-import pickle
 import shutil
 import subprocess
 import sys
@@ -19,15 +18,10 @@ import dapo
 import grpo
 import ppo
 from conftest import ROOT, even_token_reward
+from conftest import run_script as cli
 
 TINY = dict(prompts_per_step=2, group_size=2, max_new_tokens=4, eval_every=0, eval_size=1, test_size=8,
             learning_rate=1e-3, num_minibatches=1)
-
-
-def cli(args, timeout=300):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env={**env, "OMP_NUM_THREADS": "2"},
-                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture

@@ -12,8 +12,7 @@ from transformers.modeling_outputs import CausalLMOutput
 
 import common
 import ppo
-from conftest import even_token_reward
-from test_grpo import assert_same_update_for_any_split
+from conftest import assert_same_update_for_any_split, even_token_reward
 
 REWARDS = torch.tensor([[0.0, 0.0, 1.0]])
 VALUES = torch.tensor([[0.5, 0.2, 0.4]])

@@ -13,18 +13,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import common
-from conftest import ROOT
+from conftest import ROOT, subprocess_env
 
 TOY = os.path.join(ROOT, "tests", "toy_run.py")
 FLAGS = ["--num-steps", "4", "--save-every", "2", "--keep-checkpoints", "2", "--prompts-per-step", "4",
          "--group-size", "4", "--max-new-tokens", "8", "--learning-rate", "1e-3", "--eval-every", "0",
          "--eval-size", "1", "--test-size", "8", "--micro-batch-size", "16", "--log-samples-every", "100"]
-
-
-def env():
-    e = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    e["OMP_NUM_THREADS"] = "1"
-    return e
 
 
 def run_dir_of(runs):
@@ -40,7 +34,7 @@ def rows(run_dir):
 
 def interrupt(cmd, runs, sig):
     """Start a run, and send `sig` once its first checkpoint is complete."""
-    proc = subprocess.Popen(cmd, env=env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=subprocess_env("1"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         if os.path.isdir(runs) and os.listdir(runs) and common.complete_checkpoints(run_dir_of(runs)):
@@ -54,7 +48,7 @@ def interrupt(cmd, runs, sig):
 @pytest.mark.parametrize("algo,sig", [("grpo", signal.SIGKILL), ("dapo", signal.SIGTERM), ("ppo", signal.SIGTERM)])
 def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(algo, sig, peaked_model_dir, tmp_path):
     base = [sys.executable, TOY, algo, "--model", peaked_model_dir, *FLAGS]
-    whole = subprocess.run(base + ["--runs-dir", str(tmp_path / "whole")], env=env(), cwd=ROOT,
+    whole = subprocess.run(base + ["--runs-dir", str(tmp_path / "whole")], env=subprocess_env("1"), cwd=ROOT,
                            capture_output=True, text=True, timeout=600)
     assert whole.returncode == 0, whole.stderr[-3000:]
 
@@ -67,7 +61,7 @@ def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(algo, sig, peak
     stopped_at = int(common.complete_checkpoints(run_dir)[-1].name.split("-")[1])
     if stopped_at == 4:
         pytest.skip("the run finished before the signal arrived")
-    resumed = subprocess.run([sys.executable, TOY, algo, "--resume", run_dir], env=env(), cwd=ROOT,
+    resumed = subprocess.run([sys.executable, TOY, algo, "--resume", run_dir], env=subprocess_env("1"), cwd=ROOT,
                              capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 

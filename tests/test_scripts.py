@@ -2,27 +2,13 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import read_metrics as metrics
+from conftest import run_script as run
 
 SCRIPTS = ["grpo.py", "dapo.py", "ppo.py"]
-
-
-def run(args, timeout=600, torchrun=False, threads="2"):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = threads
-    prefix = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun else [sys.executable]
-    return subprocess.run(prefix + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def metrics(run_root):
-    (run_dir,) = [os.path.join(run_root, d) for d in os.listdir(run_root)]
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return run_dir, [json.loads(line) for line in f]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

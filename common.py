@@ -1381,6 +1381,48 @@ def restore_trainer_state(state: dict, update_rng: torch.Generator, **stateful) 
     return state["step"] + 1, state["skipped_steps"]
 
 
+class RunControl:
+    """The run's life around the algorithm, so that the loop holds only rollout, reward, advantage, update
+    and logging: where a resumed run starts, updates skipped for a non-finite gradient, Ctrl-C/SIGTERM,
+    divergence, periodic and final checkpoints. The loop calls count_skipped() after its update and
+    end_of_step() after logging; the latter returns True when the loop must stop."""
+
+    def __init__(self, args, script: str, run_dir: str, d: Dist, update_rng: torch.Generator, stateful: dict,
+                 state: dict | None):
+        self.args, self.script, self.run_dir, self.d = args, script, run_dir, d
+        self.update_rng, self.stateful = update_rng, stateful
+        self.start_step, self.skipped_steps, self.skipped_in_row = 1, 0, 0
+        if state:
+            self.start_step, self.skipped_steps = restore_trainer_state(state, update_rng, **stateful)
+        self.stop = StopRequest()  # Ctrl-C / SIGTERM: finish the step, save, exit
+
+    def count_skipped(self, step: int, skipped: int, stats: dict, bar: "ProgressBar") -> None:
+        """Optimizer steps of this step skipped for a non-finite gradient (they never reached the weights)."""
+        self.skipped_steps += skipped
+        self.skipped_in_row = self.skipped_in_row + 1 if skipped else 0
+        if skipped:
+            bar.write(f"step {step}: {skipped} optimizer step(s) skipped, the gradient was not finite (policy loss "
+                      f"{stats.get('policy_loss', float('nan')):.4g}, grad norm {stats.get('grad_norm', float('nan')):.4g})")
+
+    def end_of_step(self, step: int, bar: "ProgressBar", save) -> bool:
+        """Save when due (`save(state=..., final=...)` writes the checkpoint), then stop on a request or
+        after --max-skipped-steps non-finite steps in a row (RunStopped). True: leave the loop."""
+        args = self.args
+        stopping = self.stop.requested(self.d)
+        diverged = self.skipped_in_row >= args.max_skipped_steps
+        final = step == args.num_steps or stopping or diverged
+        if args.save_every and step % args.save_every == 0 or final:
+            save(state=trainer_state(step, self.skipped_steps, self.update_rng, **self.stateful), final=final)
+        if diverged:  # the skipped updates never reached the weights: the checkpoint is the last good state
+            raise RunStopped(
+                f"{self.skipped_in_row} steps in a row had a non-finite gradient (--max-skipped-steps="
+                f"{args.max_skipped_steps}); the last good weights are in {self.run_dir}/checkpoint-{step}: check "
+                f"the rewards, or start again from them with --model and a lower --learning-rate")
+        if stopping:
+            bar.write(f"stopped after step {step}; continue with: python {self.script}.py --resume {self.run_dir}")
+        return stopping
+
+
 class StopRequest:
     """SIGINT (Ctrl-C) and SIGTERM ask the loop to stop after the current step, save and exit cleanly;
     a second signal stops at once. `requested(d)` agrees over all processes."""

@@ -414,15 +414,11 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
 
     sampler = common.PromptSampler(train_tasks, args.seed)
     update_rng = torch.Generator().manual_seed(args.seed)
-    skipped_steps, skipped_in_row, scalars, start_step = 0, 0, {}, 1
     stateful = {"optimizer": common.OptimizerState(policy, optimizer), "critic_optimizer": common.OptimizerState(critic, critic_optimizer), "scheduler": scheduler,
                 "sampler": sampler}
-    if state:
-        start_step, skipped_steps = common.restore_trainer_state(state, update_rng, **stateful)
-    stop = common.StopRequest()  # Ctrl-C / SIGTERM: finish the step, save, exit
-
-    bar = common.ProgressBar(args.num_steps, d, initial=start_step - 1)
-    for step in range(start_step, args.num_steps + 1):
+    control = common.RunControl(args, "ppo", run_dir, d, update_rng, stateful, state)  # resume, stop, save
+    bar, scalars = common.ProgressBar(args.num_steps, d, initial=control.start_step - 1), {}
+    for step in range(control.start_step, args.num_steps + 1):
         step_start = time.perf_counter()
 
         # ---- Rollout: G completions for each prompt of this process's share --------------------------
@@ -468,11 +464,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
                                     f"{run_dir} holds the last good ones: lower --learning-rate")
         with common.Timer() as sync_time:  # the generation engine samples from the new weights
             backend.sync_weights(policy)
-        skipped = stats.pop("skipped_updates")
-        skipped_steps, skipped_in_row = skipped_steps + skipped, (skipped_in_row + 1) if skipped else 0
-        if skipped:
-            bar.write(f"step {step}: {skipped} optimizer step(s) skipped, the gradient was not finite "
-                      f"(policy loss {stats.get('policy_loss', float('nan')):.4g}, grad norm {stats['grad_norm']:.4g})")
+        control.count_skipped(step, stats.pop("skipped_updates"), stats, bar)
 
         # ---- Logging -----------------------------------------------------------------------------
         step_time = time.perf_counter() - step_start
@@ -503,7 +495,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             "charts/explained_variance": 1 - error_var / return_var if return_var > 0 else float("nan"),
             "charts/learning_rate": scheduler.get_last_lr()[0],
             "charts/tokens_per_second": tokens / step_time,
-            "charts/skipped_steps": skipped_steps,
+            "charts/skipped_steps": control.skipped_steps,
             "time/generation": generation_time.seconds,
             "time/update": update_time.seconds,
             "time/weight_sync": sync_time.seconds,
@@ -521,19 +513,9 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             logger.log_samples(step, [prompts[i // args.group_size] for i in range(len(rewards))], rollout.texts,
                                rewards.tolist())
         bar.show(scalars)
-        stopping = stop.requested(d)
-        diverged = skipped_in_row >= args.max_skipped_steps
-        if args.save_every and step % args.save_every == 0 or step == args.num_steps or stopping or diverged:
-            common.save_checkpoint(policy, tokenizer, run_dir, step, d, critic=critic, keep=args.keep_checkpoints,
-                                   state=common.trainer_state(step, skipped_steps, update_rng, **stateful),
-                                   final=step == args.num_steps or stopping or diverged)
-        if diverged:  # the skipped updates never reached the weights: the checkpoint is the last good state
-            raise common.RunStopped(
-                f"{skipped_in_row} steps in a row had a non-finite gradient (--max-skipped-steps="
-                f"{args.max_skipped_steps}); the last good weights are in {run_dir}/checkpoint-{step}: check the "
-                f"rewards, or start again from them with --model and a lower --learning-rate")
-        if stopping:
-            bar.write(f"stopped after step {step}; continue with: python ppo.py --resume {run_dir}")
+        save = lambda **kw: common.save_checkpoint(policy, tokenizer, run_dir, step, d, critic=critic,  # noqa: E731
+                                                   keep=args.keep_checkpoints, **kw)
+        if control.end_of_step(step, bar, save):
             break
 
     bar.close()

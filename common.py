@@ -1145,23 +1145,70 @@ def _truncate_after(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
+class HealthCheck:
+    """Warnings, once each, for what users of RL trainers keep asking about ("is this normal?"): no
+    learning signal for `patience` steps in a row, no well-formed answer after `patience` steps, most
+    completions truncated, the policy's entropy collapsing."""
+
+    def __init__(self, patience: int = 10):
+        self.patience, self.said, self.streaks, self.first_entropy = patience, set(), {}, None
+
+    def _streak(self, name: str, condition: bool) -> int:
+        self.streaks[name] = self.streaks.get(name, 0) + 1 if condition else 0
+        return self.streaks[name]
+
+    def check(self, scalars: dict) -> list[str]:
+        found = []
+        if self._streak("signal", scalars.get("charts/zero_std_fraction", 0.0) == 1.0) >= self.patience:
+            found.append(("signal", f"every group had equal rewards for {self.patience} steps: the advantages are 0 "
+                                    f"and nothing is learned (a harder task than the model can solve, or a reward "
+                                    f"that cannot tell completions apart)"))
+        if self._streak("format", scalars.get("charts/format_rate", 1.0) == 0.0) >= self.patience:
+            found.append(("format", f"no completion was well-formed in {self.patience} steps: check the prompt "
+                                    f"template, --max-new-tokens, or try an easier --task-* setting"))
+        if scalars.get("charts/truncated_fraction", 0.0) > 0.5:
+            found.append(("truncated", "most completions hit --max-new-tokens: raise it, or see DAPO's "
+                                       "--overlong-buffer and --mask-truncated"))
+        entropy = scalars.get("losses/entropy")
+        if entropy is not None:
+            self.first_entropy = self.first_entropy if self.first_entropy is not None else entropy
+            if self.first_entropy > 0 and entropy < 0.1 * self.first_entropy:
+                found.append(("entropy", f"the policy's entropy fell from {self.first_entropy:.3g} to {entropy:.3g} "
+                                         f"nats per token: it has nearly stopped exploring (a lower --learning-rate, "
+                                         f"a larger --beta, or --ent-coef in ppo.py/dapo.py)"))
+        new = [message for name, message in found if name not in self.said]
+        self.said.update(name for name, _ in found)
+        return [f"warning: {m}" for m in new]
+
+
 class ProgressBar:
-    """A tqdm bar over steps on rank 0 with reward, accuracy and seconds per step."""
+    """A tqdm bar over steps on rank 0: the phase of the step in flight, then reward, accuracy, format,
+    length, KL, entropy and seconds per step; health warnings above it."""
 
     def __init__(self, total: int, d: Dist, initial: int = 0):
-        self.bar = None
+        self.bar, self.health = None, HealthCheck()
         if d.is_main:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True, unit="step")
 
+    def phase(self, name: str) -> None:
+        """What the step in flight is doing (generating, updating, evaluating)."""
+        if self.bar is not None:
+            self.bar.set_description_str(name)
+
     def show(self, scalars: dict) -> None:
         if self.bar is None:
             return
         shown = {"reward": scalars["charts/reward"], "acc": scalars["charts/accuracy"],
-                 "fmt": scalars["charts/format_rate"], "s/step": scalars["time/step"]}
-        if "charts/eval_accuracy" in scalars:
-            shown["eval_acc"] = scalars["charts/eval_accuracy"]
+                 "fmt": scalars["charts/format_rate"], "len": scalars["charts/response_length"]}
+        for name, key in (("kl", "losses/kl_ref"), ("ent", "losses/entropy"), ("eval_acc", "charts/eval_accuracy")):
+            if key in scalars:
+                shown[name] = scalars[key]
+        shown["s/step"] = scalars["time/step"]
+        for message in self.health.check(scalars):
+            self.bar.write(message)
+        self.bar.set_description_str("")
         self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
         self.bar.update(1)
 

@@ -428,6 +428,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             return torch.tensor(correct, device=d.device) if args.dynamic_sampling_metric == "accuracy" else rewards
 
         # ---- Dynamic sampling: only informative groups, more prompts until the step is full --------------
+        bar.phase("generating")
         with common.Timer() as generation_time, common.out_of_memory_hint("generation", args):
             if args.dynamic_sampling:
                 groups = dynamic_sampling(sample_batch, local_prompts, args.group_size,
@@ -449,6 +450,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
         # ---- Advantages (eq. 10) -----------------------------------------------------------------
         advantages = group_advantages(rewards, args.group_size, args.adv_eps)
 
+        bar.phase("updating")
         with common.Timer() as update_time, common.out_of_memory_hint("update", args):
             # ---- Old and reference log-probs -----------------------------------------------------
             # One epoch of one minibatch is on-policy: pi_old is the policy itself, so its log-probs are
@@ -512,6 +514,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
         for k in stats:  # the update's means, averaged over processes
             scalars[("charts/" if k in ("ratio", "vllm_logprob_diff") else "losses/") + k] = totals[f"update/{k}"] / d.world_size
         if args.eval_every and step % args.eval_every == 0 or step == args.num_steps:
+            bar.phase("evaluating")
             scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, d,
                                            args.prompt_template))
         logger.log(step, scalars)

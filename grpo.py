@@ -330,6 +330,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
         # ---- Rollout: G completions for each prompt of this process's share --------------------------
         tasks = sampler.next_batch(args.prompts_per_step, d)
         prompts = [common.make_prompt(tokenizer, t, args.prompt_template) for t in tasks]
+        bar.phase("generating")
         with common.Timer() as generation_time, common.out_of_memory_hint("generation", args):
             rollout = backend.generate(prompts, args.group_size, args.max_new_tokens, args.temperature,
                                        args.top_p, seed=common.generation_seed(args.seed, step, d.rank))
@@ -343,6 +344,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
         advantages = group_advantages(rewards, args.group_size, args.adv_eps)
         zero_std_groups = equal_reward_groups(rewards, args.group_size).sum().item()
 
+        bar.phase("updating")
         with common.Timer() as update_time, common.out_of_memory_hint("update", args):
             # ---- Old and reference log-probs -----------------------------------------------------
             # One epoch of one minibatch is on-policy: pi_old is the policy itself, so its log-probs are
@@ -394,6 +396,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
         for k in stats:  # the update's means, averaged over processes
             scalars[("charts/" if k in ("ratio", "vllm_logprob_diff") else "losses/") + k] = totals[f"update/{k}"] / d.world_size
         if args.eval_every and step % args.eval_every == 0 or step == args.num_steps:
+            bar.phase("evaluating")
             scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, d,
                                            args.prompt_template))
         logger.log(step, scalars)

@@ -424,6 +424,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
         # ---- Rollout: G completions for each prompt of this process's share --------------------------
         tasks = sampler.next_batch(args.prompts_per_step, d)
         prompts = [common.make_prompt(tokenizer, t, args.prompt_template) for t in tasks]
+        bar.phase("generating")
         with common.Timer() as generation_time, common.out_of_memory_hint("generation", args):
             rollout = backend.generate(prompts, args.group_size, args.max_new_tokens, args.temperature,
                                        args.top_p, seed=common.generation_seed(args.seed, step, d.rank))
@@ -437,6 +438,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
         grouped = rewards.view(-1, args.group_size)
         zero_std_groups = (grouped == grouped[:, :1]).all(1).sum().item() if args.group_size > 1 else 0
 
+        bar.phase("updating")
         with common.Timer() as update_time, common.out_of_memory_hint("update", args):
             # ---- Old log-probs and values, reference log-probs -----------------------------------
             # pi_old's log-probs enter the KL penalty of eq. 8 as well as the ratio, so they are always
@@ -506,6 +508,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
         if args.group_size > 1:
             scalars["charts/zero_std_fraction"] = totals["zero_std_groups"] / (n / args.group_size)
         if args.eval_every and step % args.eval_every == 0 or step == args.num_steps:
+            bar.phase("evaluating")
             scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, d,
                                            args.prompt_template))
         logger.log(step, scalars)

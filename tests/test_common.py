@@ -137,3 +137,19 @@ def test_the_hub_dataset_is_split_as_tinyzero_splits_it():
     assert other_test == rows[-1024:] and len(other_train) == len(rows) - 1024
     with pytest.raises(common.ConfigError, match="--test-size=9000 is not allowed"):
         common.split_tasks(rows, common.HUB_DATASET, 9000)
+
+
+def test_health_warnings_come_once_each_and_only_when_due():
+    health = common.HealthCheck(patience=3)
+    quiet = {"charts/zero_std_fraction": 0.5, "charts/format_rate": 0.2, "charts/truncated_fraction": 0.1,
+             "losses/entropy": 2.0}
+    assert health.check(quiet) == []
+    stuck = {**quiet, "charts/zero_std_fraction": 1.0, "charts/format_rate": 0.0}
+    assert health.check(stuck) == [] and health.check(stuck) == []  # not yet: 2 steps of 3
+    said = health.check(stuck)
+    assert len(said) == 2 and "equal rewards for 3 steps" in said[0] and "no completion was well-formed" in said[1]
+    assert health.check(stuck) == []  # once each
+    late = {**quiet, "charts/truncated_fraction": 0.9, "losses/entropy": 0.1}
+    said = health.check(late)
+    assert len(said) == 2 and "--max-new-tokens" in said[0] and "entropy fell from 2 to 0.1" in said[1]
+    assert health.check(late) == []

@@ -176,19 +176,19 @@ def cleanup_distributed() -> None:
         dist.destroy_process_group()
 
 
-def all_reduce_sum(values: list[float], d: Dist) -> list[float]:
+def all_reduce_sum(values: list[float], world: Dist) -> list[float]:
     """Sum floats over all processes (for metrics and global token counts)."""
-    if not d.enabled:
+    if not world.enabled:
         return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=d.device)
+    t = torch.tensor(values, dtype=torch.float64, device=world.device)
     dist.all_reduce(t)
     return t.tolist()
 
 
-def all_reduce_sums(sums: dict[str, float], d: Dist) -> dict[str, float]:
+def all_reduce_sums(sums: dict[str, float], world: Dist) -> dict[str, float]:
     """Each named sum added up over all processes (every process passes the same names)."""
     names = sorted(sums)
-    return dict(zip(names, all_reduce_sum([float(sums[k]) for k in names], d)))
+    return dict(zip(names, all_reduce_sum([float(sums[k]) for k in names], world)))
 
 
 def generation_seed(seed: int, draw: int, rank: int) -> int:
@@ -377,11 +377,11 @@ def is_sharded(model) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def parallelize(model, d: Dist, fsdp: bool = False, cpu_offload: bool = False):
+def parallelize(model, world: Dist, fsdp: bool = False, cpu_offload: bool = False):
     """DDP for a trained model, or FSDP2: `fully_shard` on each decoder layer, then on the whole model,
     float32 weights and gradient reductions with the model's compute dtype (autocast_forward) for the
     gathered parameters, optionally parameters, gradients and optimizer states in CPU memory. A frozen model (the reference) is sharded with --fsdp, else kept as is."""
-    if not d.enabled:
+    if not world.enabled:
         return model
     trainable = any(p.requires_grad for p in model.parameters())
     if not fsdp:
@@ -627,7 +627,7 @@ class PromptSampler:
         random.Random(self.seed * 100003 + self.epoch).shuffle(order)
         return order
 
-    def next_batch(self, num_prompts: int, d: Dist) -> list[dict]:
+    def next_batch(self, num_prompts: int, world: Dist) -> list[dict]:
         batch = []
         for _ in range(num_prompts):
             if self.position == len(self._order):
@@ -635,8 +635,8 @@ class PromptSampler:
                 self._order = self._shuffled()
             batch.append(self.tasks[self._order[self.position]])
             self.position += 1
-        per_rank = num_prompts // d.world_size
-        return batch[d.rank * per_rank:(d.rank + 1) * per_rank]
+        per_rank = num_prompts // world.world_size
+        return batch[world.rank * per_rank:(world.rank + 1) * per_rank]
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position}
@@ -822,9 +822,9 @@ class VLLMBackend:
     policy's starting weights. Generates from token ids and returns the same Rollout as HFBackend, plus
     the sampled tokens' log-probs; `sync_weights` pushes the trained weights in after every update."""
 
-    def __init__(self, model, tokenizer, model_path: str, args, d: Dist):
+    def __init__(self, model, tokenizer, model_path: str, args, world: Dist):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # no engine-core process
-        if d.device.type == "cpu":
+        if world.device.type == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_kv_cache_gib))
         threads = torch.get_num_threads()
         try:
@@ -838,20 +838,20 @@ class VLLMBackend:
         longest = make_prompt(tokenizer, {"nums": [99999] * 6, "target": 99999}, args.prompt_template)
         self.max_model_len = len(tokenizer(longest, add_special_tokens=False).input_ids) + args.max_new_tokens + 16
         kwargs = {}
-        if d.device.type == "cuda":
+        if world.device.type == "cuda":
             kwargs.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                           enable_sleep_mode=args.vllm_sleep_mode)
-        if d.world_size > 1:  # one engine per torchrun process, each on its own prompts (as TRL's colocate mode)
+        if world.world_size > 1:  # one engine per torchrun process, each on its own prompts (as TRL's colocate mode)
             kwargs["distributed_executor_backend"] = "external_launcher"
         # The trainer's compute dtype (--compute-dtype): the engine samples in the precision of the log-prob pass
         dtype = "bfloat16" if getattr(unwrap(model), "compute_dtype", torch.float32) == torch.bfloat16 else "float32"
-        self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=args.seed + d.rank,
+        self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=args.seed + world.rank,
                        enforce_eager=True, max_model_len=self.max_model_len, enable_prefix_caching=True,
                        logprobs_mode="processed_logprobs",  # log-probs at the sampling temperature
                        generation_config="vllm", **kwargs)  # not the checkpoint's sampling defaults
         torch.set_num_threads(threads)  # the in-process engine lowers torch's thread count
         self.tied = bool(getattr(unwrap(model).config, "tie_word_embeddings", False))
-        self.cpu = d.device.type == "cpu"
+        self.cpu = world.device.type == "cpu"
         self.sleep_mode, self.asleep = args.vllm_sleep_mode and not self.cpu, False
 
     def wake_up(self) -> None:
@@ -913,11 +913,11 @@ class VLLMBackend:
         self.llm.llm_engine.engine_core.shutdown()
 
 
-def make_backend(name: str, model, tokenizer, args=None, model_path: str | None = None, d: Dist | None = None):
+def make_backend(name: str, model, tokenizer, args=None, model_path: str | None = None, world: Dist | None = None):
     if name == "hf":
         return HFBackend(model, tokenizer)
     if name == "vllm":
-        return VLLMBackend(model, tokenizer, model_path, args, d or Dist())
+        return VLLMBackend(model, tokenizer, model_path, args, world or Dist())
     raise ConfigError(f"--backend={name!r} is not allowed: 'hf' or 'vllm'")
 
 
@@ -992,12 +992,12 @@ def countdown_rewards(texts: list[str], tasks: list[dict], format_score: float, 
 # ----------------------------------------------------------------------------------------------------
 # Greedy evaluation on the held-out split
 # ----------------------------------------------------------------------------------------------------
-def evaluate(backend, tokenizer, tasks: list[dict], max_new_tokens: int, d: Dist, template: str = "auto",
+def evaluate(backend, tokenizer, tasks: list[dict], max_new_tokens: int, world: Dist, template: str = "auto",
              batch_size: int = 32) -> dict:
     """Greedy accuracy and format rate on `tasks`, sharded over processes and summed."""
-    mine = tasks[d.rank::d.world_size]
+    mine = tasks[world.rank::world.world_size]
     # every process makes the same generate calls (FSDP2 forwards are collective): pad with a task, ignore it
-    per_process = -(-len(tasks) // d.world_size)
+    per_process = -(-len(tasks) // world.world_size)
     padded = mine + tasks[:1] * (per_process - len(mine))
     correct = well_formed = length = 0.0
     for i in range(0, len(padded), batch_size):
@@ -1007,7 +1007,7 @@ def evaluate(backend, tokenizer, tasks: list[dict], max_new_tokens: int, d: Dist
         _, c, w = countdown_rewards(rollout.texts[:real], chunk[:real], 0.0, 1.0)
         correct, well_formed = correct + sum(c), well_formed + sum(w)
         length += rollout.completion_lengths[:real].sum().item()
-    correct, well_formed, length = all_reduce_sum([correct, well_formed, length], d)
+    correct, well_formed, length = all_reduce_sum([correct, well_formed, length], world)
     n = max(len(tasks), 1)
     return {"charts/eval_accuracy": correct / n, "charts/eval_format_rate": well_formed / n,
             "charts/eval_response_length": length / n}
@@ -1023,10 +1023,10 @@ class RunDir:
     a second writer is refused, naming the process that holds it. A new folder is made by create(),
     after every input was checked and the models loaded, so that a failed start leaves nothing behind."""
 
-    def __init__(self, runs_dir: str, exp_name: str, seed: int, checkpoint: Path | None, d: Dist):
-        self.runs_dir, self.name, self.d, self._lock = runs_dir, f"{exp_name}__{seed}", d, None
+    def __init__(self, runs_dir: str, exp_name: str, seed: int, checkpoint: Path | None, world: Dist):
+        self.runs_dir, self.name, self.world, self._lock = runs_dir, f"{exp_name}__{seed}", world, None
         self.path = str(checkpoint.parent) if checkpoint else None
-        if self.path and d.is_main:
+        if self.path and world.is_main:
             self._take_lock(self.path, f"--resume={self.path!r}")
 
     def _take_lock(self, folder: str, flag: str) -> None:
@@ -1045,7 +1045,7 @@ class RunDir:
 
     def create(self) -> str:
         """The folder of this run (made now for a new run), the same on every process."""
-        if self.path is None and self.d.is_main:
+        if self.path is None and self.world.is_main:
             try:
                 os.makedirs(self.runs_dir, exist_ok=True)
                 base = os.path.join(self.runs_dir, f"{self.name}__{int(time.time())}")
@@ -1062,7 +1062,7 @@ class RunDir:
                                   f"there ({err.strerror})") from None
             self._take_lock(path, f"--runs-dir={self.runs_dir!r}")
             self.path = path
-        if self.d.enabled:
+        if self.world.enabled:
             holder = [self.path]
             dist.broadcast_object_list(holder, src=0)
             self.path = holder[0]
@@ -1073,9 +1073,9 @@ class RunLogger:
     """args.json, TensorBoard, metrics.jsonl and samples.jsonl on rank 0. `resume_step`: continue a run
     whose last checkpoint is that step, dropping what was logged after it."""
 
-    def __init__(self, run_dir: str, args, d: Dist, script: str, track: bool = False, project: str = "rl-countdown",
+    def __init__(self, run_dir: str, args, world: Dist, script: str, track: bool = False, project: str = "rl-countdown",
                  resume_step: int | None = None):
-        self.run_dir, self.enabled = Path(run_dir), d.is_main
+        self.run_dir, self.enabled = Path(run_dir), world.is_main
         self.writer = None
         if not self.enabled:
             return
@@ -1185,9 +1185,9 @@ class ProgressBar:
     """A tqdm bar over steps on rank 0: the phase of the step in flight, then reward, accuracy, format,
     length, KL, entropy and seconds per step; health warnings above it."""
 
-    def __init__(self, total: int, d: Dist, initial: int = 0):
+    def __init__(self, total: int, world: Dist, initial: int = 0):
         self.bar, self.health = None, HealthCheck()
-        if d.is_main:
+        if world.is_main:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True, unit="step")
@@ -1228,7 +1228,7 @@ class ProgressBar:
 TRAINER_STATE = "trainer_state.pt"
 
 
-def save_checkpoint(model, tokenizer, run_dir: str, step: int, d: Dist, critic=None, state: dict | None = None,
+def save_checkpoint(model, tokenizer, run_dir: str, step: int, world: Dist, critic=None, state: dict | None = None,
                     keep: int = 0, final: bool = False) -> str | None:
     """Written to a temporary folder and renamed into place, so a crash never leaves half a checkpoint.
     The folder is a plain HF model; PPO's critic goes into `critic/`; `state` (optimizer, schedule, data
@@ -1240,7 +1240,7 @@ def save_checkpoint(model, tokenizer, run_dir: str, step: int, d: Dist, critic=N
     path = Path(run_dir) / f"checkpoint-{step}"
     weights = {"model": full_state_dict(model), "critic": full_state_dict(critic) if critic is not None else None}
     error = ""
-    if d.is_main:
+    if world.is_main:
         tmp = path.with_name(path.name + ".tmp")
         try:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -1262,7 +1262,7 @@ def save_checkpoint(model, tokenizer, run_dir: str, step: int, d: Dist, critic=N
             if keep:
                 for old in complete_checkpoints(run_dir)[:-keep]:
                     shutil.rmtree(old, ignore_errors=True)
-    if d.enabled:  # every process learns whether rank 0's write succeeded (and waits for it)
+    if world.enabled:  # every process learns whether rank 0's write succeeded (and waits for it)
         holder = [error]
         dist.broadcast_object_list(holder, src=0)
         error = holder[0]
@@ -1274,11 +1274,11 @@ def save_checkpoint(model, tokenizer, run_dir: str, step: int, d: Dist, critic=N
     return str(path)
 
 
-def weights_finite(model, d: Dist) -> bool:
+def weights_finite(model, world: Dist) -> bool:
     """Are all of the model's weights (this process's shards) finite on every process?"""
     local = all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
                 for p in model.parameters())
-    return all_reduce_sum([float(not local)], d)[0] == 0
+    return all_reduce_sum([float(not local)], world)[0] == 0
 
 
 def full_state_dict(model) -> dict | None:
@@ -1434,9 +1434,9 @@ class RunControl:
     divergence, periodic and final checkpoints. The loop calls count_skipped() after its update and
     end_of_step() after logging; the latter returns True when the loop must stop."""
 
-    def __init__(self, args, script: str, run_dir: str, d: Dist, update_rng: torch.Generator, stateful: dict,
+    def __init__(self, args, script: str, run_dir: str, world: Dist, update_rng: torch.Generator, stateful: dict,
                  state: dict | None):
-        self.args, self.script, self.run_dir, self.d = args, script, run_dir, d
+        self.args, self.script, self.run_dir, self.world = args, script, run_dir, world
         self.update_rng, self.stateful = update_rng, stateful
         self.start_step, self.skipped_steps, self.skipped_in_row = 1, 0, 0
         if state:
@@ -1455,7 +1455,7 @@ class RunControl:
         """Save when due (`save(state=..., final=...)` writes the checkpoint), then stop on a request or
         after --max-skipped-steps non-finite steps in a row (RunStopped). True: leave the loop."""
         args = self.args
-        stopping = self.stop.requested(self.d)
+        stopping = self.stop.requested(self.world)
         diverged = self.skipped_in_row >= args.max_skipped_steps
         final = step == args.num_steps or stopping or diverged
         if args.save_every and step % args.save_every == 0 or final:
@@ -1472,7 +1472,7 @@ class RunControl:
 
 class StopRequest:
     """SIGINT (Ctrl-C) and SIGTERM ask the loop to stop after the current step, save and exit cleanly;
-    a second signal stops at once. `requested(d)` agrees over all processes."""
+    a second signal stops at once. `requested(world)` agrees over all processes."""
 
     def __init__(self):
         self.flag = False
@@ -1486,8 +1486,8 @@ class StopRequest:
         print(f"\n{signal.Signals(signum).name}: stopping after this step (send it again to stop now)",
               file=sys.stderr, flush=True)
 
-    def requested(self, d: Dist) -> bool:
-        return all_reduce_sum([float(self.flag)], d)[0] > 0
+    def requested(self, world: Dist) -> bool:
+        return all_reduce_sum([float(self.flag)], world)[0] > 0
 
 
 class Timer(contextlib.ContextDecorator):

@@ -239,7 +239,7 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, pe
 
 
 def dynamic_sampling(sample_batch: Callable[[], torch.Tensor], num_groups: int, group_size: int,
-                     max_generation_batches: int, d: common.Dist) -> list[tuple[int, int, bool]]:
+                     max_generation_batches: int, world: common.Dist) -> list[tuple[int, int, bool]]:
     """DAPO's dynamic sampling: drop groups whose filter metric (accuracy, as DAPO and verl's recipe
     filter; or the shaped reward) is the same for every completion, and call sample_batch() (fresh
     prompts; returns that metric per completion) until every process has num_groups informative groups,
@@ -253,7 +253,7 @@ def dynamic_sampling(sample_batch: Callable[[], torch.Tensor], num_groups: int, 
     for batch in range(max_generation_batches):
         for group, all_equal in enumerate(equal_reward_groups(sample_batch(), group_size).tolist()):
             (uninformative if all_equal else informative).append((batch, group))
-        missing = common.all_reduce_sum([max(0, num_groups - len(informative))], d)[0]
+        missing = common.all_reduce_sum([max(0, num_groups - len(informative))], world)[0]
         if missing == 0:
             break
     kept = [(b, g, True) for b, g in informative[:num_groups]]
@@ -274,7 +274,7 @@ def engine_correction(advantages, old_logprobs, engine_logprobs, cap: float):
 # Update: update_epochs passes of num_minibatches optimizer steps, each accumulated over micro-batches
 # ----------------------------------------------------------------------------------------------------
 def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_logprobs, ref_logprobs,
-                  args: Args, generator: torch.Generator, d: common.Dist, loss_mask=None) -> dict:
+                  args: Args, generator: torch.Generator, world: common.Dist, loss_mask=None) -> dict:
     """Minimise -eq. 12 (clipped surrogate, token-level; - beta * k3 KL, - ent_coef * entropy) over the
     rollout; mean stats. `loss_mask` (default: the completion mask) leaves tokens out of the loss.
 
@@ -289,7 +289,7 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
     policy.train()
     for _ in range(args.update_epochs):
         for minibatch in torch.randperm(batch_size, generator=generator).chunk(args.num_minibatches):
-            num_tokens = common.all_reduce_sum([mask[minibatch].sum().item()], d)[0] / d.world_size
+            num_tokens = common.all_reduce_sum([mask[minibatch].sum().item()], world)[0] / world.world_size
             if num_tokens == 0:  # every token masked out (dynamic sampling found nothing, or all truncated)
                 continue
             optimizer.zero_grad(set_to_none=True)
@@ -373,9 +373,9 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
     if reward_fn is None:  # Countdown (countdown_reward.py)
         reward_fn = lambda rollout, tasks: common.countdown_rewards(  # noqa: E731
             rollout.texts, tasks, args.format_score, args.answer_score)
-    d = common.setup_distributed(args.device)
+    world = common.setup_distributed(args.device)
     common.seed_everything(args.seed)
-    run = common.RunDir(args.runs_dir, args.exp_name, args.seed, checkpoint, d)  # locks a resumed run's folder
+    run = common.RunDir(args.runs_dir, args.exp_name, args.seed, checkpoint, world)  # locks a resumed run's folder
 
     # Data (checked before any model loads); each process takes its share of prompts_per_step
     model_path = common.resolve_model(args.model)
@@ -386,23 +386,23 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
 
     # Model, reference model (only when the KL term is on), optimizer
     tokenizer = common.load_tokenizer(model_path)
-    dtype = common.compute_dtype(args.compute_dtype, d.device)  # float32 weights, `dtype` matrix products
-    policy = common.load_model(str(checkpoint or model_path), d.device, args.gradient_checkpointing, dtype=dtype)
-    ref_model = common.load_model(model_path, d.device, trainable=False, dtype=dtype) if args.beta > 0 else None
-    policy = common.parallelize(policy, d, args.fsdp, args.fsdp_cpu_offload)  # DDP, or FSDP2 with --fsdp
-    ref_model = common.parallelize(ref_model, d, args.fsdp) if ref_model is not None else None
+    dtype = common.compute_dtype(args.compute_dtype, world.device)  # float32 weights, `dtype` matrix products
+    policy = common.load_model(str(checkpoint or model_path), world.device, args.gradient_checkpointing, dtype=dtype)
+    ref_model = common.load_model(model_path, world.device, trainable=False, dtype=dtype) if args.beta > 0 else None
+    policy = common.parallelize(policy, world, args.fsdp, args.fsdp_cpu_offload)  # DDP, or FSDP2 with --fsdp
+    ref_model = common.parallelize(ref_model, world, args.fsdp) if ref_model is not None else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
-    backend = common.make_backend(args.backend, policy, tokenizer, args, str(checkpoint or model_path), d)
+    backend = common.make_backend(args.backend, policy, tokenizer, args, str(checkpoint or model_path), world)
     run_dir = run.create()  # a new run's folder, made once every input has loaded
-    logger = common.RunLogger(run_dir, args, d, "dapo", args.track, args.wandb_project, state and state["step"])
+    logger = common.RunLogger(run_dir, args, world, "dapo", args.track, args.wandb_project, state and state["step"])
 
     sampler = common.PromptSampler(train_tasks, args.seed)
     update_rng = torch.Generator().manual_seed(args.seed)
     stateful = {"optimizer": common.OptimizerState(policy, optimizer), "scheduler": scheduler, "sampler": sampler}
-    control = common.RunControl(args, "dapo", run_dir, d, update_rng, stateful, state)  # resume, stop, save
-    bar, scalars = common.ProgressBar(args.num_steps, d, initial=control.start_step - 1), {}
-    local_prompts = args.prompts_per_step // d.world_size
+    control = common.RunControl(args, "dapo", run_dir, world, update_rng, stateful, state)  # resume, stop, save
+    bar, scalars = common.ProgressBar(args.num_steps, world, initial=control.start_step - 1), {}
+    local_prompts = args.prompts_per_step // world.world_size
     for step in range(control.start_step, args.num_steps + 1):
         step_start = time.perf_counter()
         batches: list[GenerationBatch] = []  # every generation batch of this step
@@ -410,29 +410,29 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
         def sample_batch() -> torch.Tensor:
             batch_start = time.perf_counter()
             # ---- Rollout: G completions for each prompt of this process's share ----------------------
-            tasks = sampler.next_batch(args.prompts_per_step, d)
+            tasks = sampler.next_batch(args.prompts_per_step, world)
             prompts = [common.make_prompt(tokenizer, t, args.prompt_template) for t in tasks]
-            seed = common.generation_seed(args.seed, step * args.max_generation_batches + len(batches), d.rank)
+            seed = common.generation_seed(args.seed, step * args.max_generation_batches + len(batches), world.rank)
             rollout = backend.generate(prompts, args.group_size, args.max_new_tokens, args.temperature,
                                        args.top_p, seed=seed)
             group_tasks = [t for t in tasks for _ in range(args.group_size)]
 
             # ---- Reward, with the soft overlong punishment ------------------------------------------
             rewards, correct, well_formed = reward_fn(rollout, group_tasks)
-            rewards = torch.tensor(rewards, dtype=torch.float32, device=d.device)
+            rewards = torch.tensor(rewards, dtype=torch.float32, device=world.device)
             if args.overlong_buffer > 0:
                 rewards += overlong_penalty(rollout.completion_lengths.to(rewards), args.max_new_tokens,
                                             args.overlong_buffer, args.overlong_penalty)
             batches.append(GenerationBatch(prompts, rollout, rewards, correct, well_formed,
                                            time.perf_counter() - batch_start))
-            return torch.tensor(correct, device=d.device) if args.dynamic_sampling_metric == "accuracy" else rewards
+            return torch.tensor(correct, device=world.device) if args.dynamic_sampling_metric == "accuracy" else rewards
 
         # ---- Dynamic sampling: only informative groups, more prompts until the step is full --------------
         bar.phase("generating")
         with common.Timer() as generation_time, common.out_of_memory_hint("generation", args):
             if args.dynamic_sampling:
                 groups = dynamic_sampling(sample_batch, local_prompts, args.group_size,
-                                          args.max_generation_batches, d)
+                                          args.max_generation_batches, world)
             else:
                 sample_batch()
                 groups = [(0, g, True) for g in range(local_prompts)]
@@ -441,10 +441,10 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             [batches[b].rollout.select(list(range(g * G, (g + 1) * G))) for b, g, _ in groups],
             tokenizer.pad_token_id)
         rewards = torch.cat([batches[b].rewards[g * G:(g + 1) * G] for b, g, _ in groups])
-        kept = torch.tensor([keep for _, _, keep in groups for _ in range(G)], device=d.device)
+        kept = torch.tensor([keep for _, _, keep in groups for _ in range(G)], device=world.device)
         in_loss = kept.clone()
         if args.mask_truncated:  # overlong filtering
-            in_loss &= torch.tensor([r == "stop" for r in rollout.finish_reasons], device=d.device)
+            in_loss &= torch.tensor([r == "stop" for r in rollout.finish_reasons], device=world.device)
         loss_mask = rollout.completion_mask * in_loss.unsqueeze(-1)
 
         # ---- Advantages (eq. 10) -----------------------------------------------------------------
@@ -463,9 +463,9 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
 
             # ---- Update (eq. 12) -----------------------------------------------------------------
             stats = update_policy(policy, optimizer, rollout, advantages, old_logprobs, ref_logprobs, args,
-                                  update_rng, d, loss_mask)
+                                  update_rng, world, loss_mask)
             scheduler.step()
-        if not all(common.weights_finite(m, d) for m in (policy,)):  # a finite gradient times a huge step
+        if not all(common.weights_finite(m, world) for m in (policy,)):  # a finite gradient times a huge step
             raise common.RunStopped(f"the weights are not finite after step {step}; the newest checkpoint in "
                                     f"{run_dir} holds the last good ones: lower --learning-rate")
         with common.Timer() as sync_time:  # the generation engine samples from the new weights
@@ -484,7 +484,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             "truncated": sum(r == "length" for b in batches for r in b.rollout.finish_reasons),
             "advantage": trained.sum().item(), "advantage_squared": trained.pow(2).sum().item(),
             "trained": len(trained), "regeneration_seconds": sum(b.seconds for b in batches[1:]),
-            **{f"update/{k}": v for k, v in stats.items()}}, d)
+            **{f"update/{k}": v for k, v in stats.items()}}, world)
         n = totals["sequences"]
         adv_mean = totals["advantage"] / max(totals["trained"], 1)
         scalars = {
@@ -502,7 +502,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             "charts/tokens_per_second": totals["tokens"] / step_time,
             "charts/skipped_steps": control.skipped_steps,
             "time/generation": generation_time.seconds,
-            "time/regeneration": totals["regeneration_seconds"] / d.world_size,  # generation batches after the first
+            "time/regeneration": totals["regeneration_seconds"] / world.world_size,  # generation batches after the first
             "time/update": update_time.seconds,
             "time/weight_sync": sync_time.seconds,
             "time/step": step_time,
@@ -512,10 +512,10 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
                       f"{args.max_generation_batches}; training on {int(totals['trained']) // G} informative groups, "
                       f"not {args.prompts_per_step}")
         for k in stats:  # the update's means, averaged over processes
-            scalars[("charts/" if k in ("ratio", "vllm_logprob_diff") else "losses/") + k] = totals[f"update/{k}"] / d.world_size
+            scalars[("charts/" if k in ("ratio", "vllm_logprob_diff") else "losses/") + k] = totals[f"update/{k}"] / world.world_size
         if args.eval_every and step % args.eval_every == 0 or step == args.num_steps:
             bar.phase("evaluating")
-            scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, d,
+            scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, world,
                                            args.prompt_template))
         logger.log(step, scalars)
         if step % args.log_samples_every == 0 or step == 1:
@@ -523,7 +523,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             logger.log_samples(step, [first.prompts[i // G] for i in range(len(first.rewards))], first.rollout.texts,
                                first.rewards.tolist())
         bar.show(scalars)
-        save = lambda **kw: common.save_checkpoint(policy, tokenizer, run_dir, step, d,  # noqa: E731
+        save = lambda **kw: common.save_checkpoint(policy, tokenizer, run_dir, step, world,  # noqa: E731
                                                    keep=args.keep_checkpoints, **kw)
         if control.end_of_step(step, bar, save):
             break

@@ -219,7 +219,7 @@ def engine_correction(advantages, old_logprobs, engine_logprobs, cap: float):
 # Update: update_epochs passes of num_minibatches optimizer steps, each accumulated over micro-batches
 # ----------------------------------------------------------------------------------------------------
 def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_logprobs, ref_logprobs,
-                  args: Args, generator: torch.Generator, d: common.Dist) -> dict:
+                  args: Args, generator: torch.Generator, world: common.Dist) -> dict:
     """Minimise -eq. 9 (clipped surrogate - beta * k3 KL, sample-level) over the rollout; mean stats.
 
     Every process holds the same number of sequences, and DDP averages gradients over processes, so
@@ -295,9 +295,9 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
     if reward_fn is None:  # Countdown (countdown_reward.py)
         reward_fn = lambda rollout, tasks: common.countdown_rewards(  # noqa: E731
             rollout.texts, tasks, args.format_score, args.answer_score)
-    d = common.setup_distributed(args.device)
+    world = common.setup_distributed(args.device)
     common.seed_everything(args.seed)
-    run = common.RunDir(args.runs_dir, args.exp_name, args.seed, checkpoint, d)  # locks a resumed run's folder
+    run = common.RunDir(args.runs_dir, args.exp_name, args.seed, checkpoint, world)  # locks a resumed run's folder
 
     # Data (checked before any model loads); each process takes its share of prompts_per_step
     model_path = common.resolve_model(args.model)
@@ -308,37 +308,37 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
 
     # Model, reference model (only when the KL term is on), optimizer
     tokenizer = common.load_tokenizer(model_path)
-    dtype = common.compute_dtype(args.compute_dtype, d.device)  # float32 weights, `dtype` matrix products
-    policy = common.load_model(str(checkpoint or model_path), d.device, args.gradient_checkpointing, dtype=dtype)
-    ref_model = common.load_model(model_path, d.device, trainable=False, dtype=dtype) if args.beta > 0 else None
-    policy = common.parallelize(policy, d, args.fsdp, args.fsdp_cpu_offload)  # DDP, or FSDP2 with --fsdp
-    ref_model = common.parallelize(ref_model, d, args.fsdp) if ref_model is not None else None
+    dtype = common.compute_dtype(args.compute_dtype, world.device)  # float32 weights, `dtype` matrix products
+    policy = common.load_model(str(checkpoint or model_path), world.device, args.gradient_checkpointing, dtype=dtype)
+    ref_model = common.load_model(model_path, world.device, trainable=False, dtype=dtype) if args.beta > 0 else None
+    policy = common.parallelize(policy, world, args.fsdp, args.fsdp_cpu_offload)  # DDP, or FSDP2 with --fsdp
+    ref_model = common.parallelize(ref_model, world, args.fsdp) if ref_model is not None else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
-    backend = common.make_backend(args.backend, policy, tokenizer, args, str(checkpoint or model_path), d)
+    backend = common.make_backend(args.backend, policy, tokenizer, args, str(checkpoint or model_path), world)
     run_dir = run.create()  # a new run's folder, made once every input has loaded
-    logger = common.RunLogger(run_dir, args, d, "grpo", args.track, args.wandb_project, state and state["step"])
+    logger = common.RunLogger(run_dir, args, world, "grpo", args.track, args.wandb_project, state and state["step"])
 
     sampler = common.PromptSampler(train_tasks, args.seed)
     update_rng = torch.Generator().manual_seed(args.seed)
     stateful = {"optimizer": common.OptimizerState(policy, optimizer), "scheduler": scheduler, "sampler": sampler}
-    control = common.RunControl(args, "grpo", run_dir, d, update_rng, stateful, state)  # resume, stop, save
-    bar, scalars = common.ProgressBar(args.num_steps, d, initial=control.start_step - 1), {}
+    control = common.RunControl(args, "grpo", run_dir, world, update_rng, stateful, state)  # resume, stop, save
+    bar, scalars = common.ProgressBar(args.num_steps, world, initial=control.start_step - 1), {}
     for step in range(control.start_step, args.num_steps + 1):
         step_start = time.perf_counter()
 
         # ---- Rollout: G completions for each prompt of this process's share --------------------------
-        tasks = sampler.next_batch(args.prompts_per_step, d)
+        tasks = sampler.next_batch(args.prompts_per_step, world)
         prompts = [common.make_prompt(tokenizer, t, args.prompt_template) for t in tasks]
         bar.phase("generating")
         with common.Timer() as generation_time, common.out_of_memory_hint("generation", args):
             rollout = backend.generate(prompts, args.group_size, args.max_new_tokens, args.temperature,
-                                       args.top_p, seed=common.generation_seed(args.seed, step, d.rank))
+                                       args.top_p, seed=common.generation_seed(args.seed, step, world.rank))
         group_tasks = [t for t in tasks for _ in range(args.group_size)]
 
         # ---- Reward ------------------------------------------------------------------------------
         rewards, correct, well_formed = reward_fn(rollout, group_tasks)
-        rewards = torch.tensor(rewards, dtype=torch.float32, device=d.device)
+        rewards = torch.tensor(rewards, dtype=torch.float32, device=world.device)
 
         # ---- Advantages (eq. 10) -----------------------------------------------------------------
         advantages = group_advantages(rewards, args.group_size, args.adv_eps)
@@ -357,9 +357,9 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
 
             # ---- Update (eq. 9, 11) --------------------------------------------------------------
             stats = update_policy(policy, optimizer, rollout, advantages, old_logprobs, ref_logprobs, args,
-                                  update_rng, d)
+                                  update_rng, world)
             scheduler.step()
-        if not all(common.weights_finite(m, d) for m in (policy,)):  # a finite gradient times a huge step
+        if not all(common.weights_finite(m, world) for m in (policy,)):  # a finite gradient times a huge step
             raise common.RunStopped(f"the weights are not finite after step {step}; the newest checkpoint in "
                                     f"{run_dir} holds the last good ones: lower --learning-rate")
         with common.Timer() as sync_time:  # the generation engine samples from the new weights
@@ -373,7 +373,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             "tokens": rollout.completion_lengths.sum().item(), "sequences": len(rewards),
             "zero_std_groups": zero_std_groups, "truncated": sum(r == "length" for r in rollout.finish_reasons),
             "advantage": advantages.sum().item(), "advantage_squared": advantages.pow(2).sum().item(),
-            **{f"update/{k}": v for k, v in stats.items()}}, d)
+            **{f"update/{k}": v for k, v in stats.items()}}, world)
         n = totals["sequences"]
         adv_mean = totals["advantage"] / n
         scalars = {
@@ -394,17 +394,17 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             "time/step": step_time,
         }
         for k in stats:  # the update's means, averaged over processes
-            scalars[("charts/" if k in ("ratio", "vllm_logprob_diff") else "losses/") + k] = totals[f"update/{k}"] / d.world_size
+            scalars[("charts/" if k in ("ratio", "vllm_logprob_diff") else "losses/") + k] = totals[f"update/{k}"] / world.world_size
         if args.eval_every and step % args.eval_every == 0 or step == args.num_steps:
             bar.phase("evaluating")
-            scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, d,
+            scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, world,
                                            args.prompt_template))
         logger.log(step, scalars)
         if step % args.log_samples_every == 0 or step == 1:
             logger.log_samples(step, [prompts[i // args.group_size] for i in range(len(rewards))], rollout.texts,
                                rewards.tolist())
         bar.show(scalars)
-        save = lambda **kw: common.save_checkpoint(policy, tokenizer, run_dir, step, d,  # noqa: E731
+        save = lambda **kw: common.save_checkpoint(policy, tokenizer, run_dir, step, world,  # noqa: E731
                                                    keep=args.keep_checkpoints, **kw)
         if control.end_of_step(step, bar, save):
             break

@@ -47,7 +47,7 @@ class Args:
     prompts_per_step: int = 64
     """prompts per step over all processes (64 x 1 = GRPO's default 8 x 8 completions per step)"""
     group_size: int = 1
-    """completions sampled per prompt; PPO needs no group (the critic is the baseline)"""
+    """completions sampled per prompt (verl's rollout.n); PPO needs no group, the critic is its baseline"""
     learning_rate: float = 1e-6
     """actor AdamW learning rate (paper 3.2: 1e-6 is stable, larger learns faster and fluctuates)"""
     critic_learning_rate: float = 1e-5
@@ -222,10 +222,10 @@ def gae_advantages(rewards, values, mask, gamma: float, lam: float):
     return advantages, (advantages + values) * mask
 
 
-def whiten(values: torch.Tensor, mask: torch.Tensor, d: common.Dist, eps: float = 1e-8) -> torch.Tensor:
+def whiten(values: torch.Tensor, mask: torch.Tensor, world: common.Dist, eps: float = 1e-8) -> torch.Tensor:
     """(x - mean) / std over the valid tokens of the whole batch, all processes together."""
     n, total, total_sq = common.all_reduce_sum(
-        [mask.sum().item(), (values * mask).sum().item(), (values.pow(2) * mask).sum().item()], d)
+        [mask.sum().item(), (values * mask).sum().item(), (values.pow(2) * mask).sum().item()], world)
     mean = total / max(n, 1)
     var = max(total_sq / max(n, 1) - mean**2, 0.0)
     return (values - mean) / (var + eps) ** 0.5 * mask
@@ -287,7 +287,7 @@ def engine_correction(advantages, old_logprobs, engine_logprobs, cap: float):
 # Update: update_epochs passes of num_minibatches optimizer steps, each accumulated over micro-batches
 # ----------------------------------------------------------------------------------------------------
 def update_policy(policy, critic, optimizer, critic_optimizer, rollout: common.Rollout, advantages, returns,
-                  old_logprobs, old_values, args: Args, generator: torch.Generator, d: common.Dist,
+                  old_logprobs, old_values, args: Args, generator: torch.Generator, world: common.Dist,
                   train_actor: bool = True) -> dict:
     """Minimise eq. 3: -eq. 7 + vf_coef * eq. 26 - ent_coef * entropy (eq. 4-5), token-level; mean stats.
 
@@ -303,7 +303,7 @@ def update_policy(policy, critic, optimizer, critic_optimizer, rollout: common.R
     critic.train()
     for _ in range(args.update_epochs):
         for minibatch in torch.randperm(batch_size, generator=generator).chunk(args.num_minibatches):
-            num_tokens = common.all_reduce_sum([mask[minibatch].sum().item()], d)[0] / d.world_size
+            num_tokens = common.all_reduce_sum([mask[minibatch].sum().item()], world)[0] / world.world_size
             optimizer.zero_grad(set_to_none=True)
             critic_optimizer.zero_grad(set_to_none=True)
             micro_batches = minibatch.split(args.micro_batch_size)
@@ -383,9 +383,9 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
     if reward_fn is None:  # Countdown (countdown_reward.py)
         reward_fn = lambda rollout, tasks: common.countdown_rewards(  # noqa: E731
             rollout.texts, tasks, args.format_score, args.answer_score)
-    d = common.setup_distributed(args.device)
+    world = common.setup_distributed(args.device)
     common.seed_everything(args.seed)
-    run = common.RunDir(args.runs_dir, args.exp_name, args.seed, checkpoint, d)  # locks a resumed run's folder
+    run = common.RunDir(args.runs_dir, args.exp_name, args.seed, checkpoint, world)  # locks a resumed run's folder
 
     # Data (checked before any model loads); each process takes its share of prompts_per_step
     model_path = common.resolve_model(args.model)
@@ -396,47 +396,44 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
 
     # Model, critic, reference model (only when the KL term is on), optimizers
     tokenizer = common.load_tokenizer(model_path)
-    dtype = common.compute_dtype(args.compute_dtype, d.device)  # float32 weights, `dtype` matrix products
-    policy = common.load_model(str(checkpoint or model_path), d.device, args.gradient_checkpointing, dtype=dtype)
-    critic = load_value_model(str(checkpoint / "critic") if checkpoint else model_path, d.device,
+    dtype = common.compute_dtype(args.compute_dtype, world.device)  # float32 weights, `dtype` matrix products
+    policy = common.load_model(str(checkpoint or model_path), world.device, args.gradient_checkpointing, dtype=dtype)
+    critic = load_value_model(str(checkpoint / "critic") if checkpoint else model_path, world.device,
                                      args.gradient_checkpointing, dtype=dtype)
-    ref_model = common.load_model(model_path, d.device, trainable=False, dtype=dtype) if args.beta > 0 else None
-    policy = common.parallelize(policy, d, args.fsdp, args.fsdp_cpu_offload)  # DDP, or FSDP2 with --fsdp
-    ref_model = common.parallelize(ref_model, d, args.fsdp) if ref_model is not None else None
+    ref_model = common.load_model(model_path, world.device, trainable=False, dtype=dtype) if args.beta > 0 else None
+    policy = common.parallelize(policy, world, args.fsdp, args.fsdp_cpu_offload)  # DDP, or FSDP2 with --fsdp
+    ref_model = common.parallelize(ref_model, world, args.fsdp) if ref_model is not None else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    critic = common.parallelize(critic, d, args.fsdp, args.fsdp_cpu_offload)
+    critic = common.parallelize(critic, world, args.fsdp, args.fsdp_cpu_offload)
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate,
                                          weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
-    backend = common.make_backend(args.backend, policy, tokenizer, args, str(checkpoint or model_path), d)
+    backend = common.make_backend(args.backend, policy, tokenizer, args, str(checkpoint or model_path), world)
     run_dir = run.create()  # a new run's folder, made once every input has loaded
-    logger = common.RunLogger(run_dir, args, d, "ppo", args.track, args.wandb_project, state and state["step"])
+    logger = common.RunLogger(run_dir, args, world, "ppo", args.track, args.wandb_project, state and state["step"])
 
     sampler = common.PromptSampler(train_tasks, args.seed)
     update_rng = torch.Generator().manual_seed(args.seed)
     stateful = {"optimizer": common.OptimizerState(policy, optimizer), "critic_optimizer": common.OptimizerState(critic, critic_optimizer), "scheduler": scheduler,
                 "sampler": sampler}
-    control = common.RunControl(args, "ppo", run_dir, d, update_rng, stateful, state)  # resume, stop, save
-    bar, scalars = common.ProgressBar(args.num_steps, d, initial=control.start_step - 1), {}
+    control = common.RunControl(args, "ppo", run_dir, world, update_rng, stateful, state)  # resume, stop, save
+    bar, scalars = common.ProgressBar(args.num_steps, world, initial=control.start_step - 1), {}
     for step in range(control.start_step, args.num_steps + 1):
         step_start = time.perf_counter()
 
-        # ---- Rollout: G completions for each prompt of this process's share --------------------------
-        tasks = sampler.next_batch(args.prompts_per_step, d)
+        # ---- Rollout: completions for each prompt of this process's share ------------------------------
+        tasks = sampler.next_batch(args.prompts_per_step, world)
         prompts = [common.make_prompt(tokenizer, t, args.prompt_template) for t in tasks]
         bar.phase("generating")
         with common.Timer() as generation_time, common.out_of_memory_hint("generation", args):
             rollout = backend.generate(prompts, args.group_size, args.max_new_tokens, args.temperature,
-                                       args.top_p, seed=common.generation_seed(args.seed, step, d.rank))
+                                       args.top_p, seed=common.generation_seed(args.seed, step, world.rank))
         group_tasks = [t for t in tasks for _ in range(args.group_size)]
 
         # ---- Reward ------------------------------------------------------------------------------
         rewards, correct, well_formed = reward_fn(rollout, group_tasks)
-        rewards = torch.tensor(rewards, dtype=torch.float32, device=d.device)
+        rewards = torch.tensor(rewards, dtype=torch.float32, device=world.device)
 
-        # groups of equal rewards: only defined for --group-size >= 2 (PPO's default is one completion)
-        grouped = rewards.view(-1, args.group_size)
-        zero_std_groups = (grouped == grouped[:, :1]).all(1).sum().item() if args.group_size > 1 else 0
 
         bar.phase("updating")
         with common.Timer() as update_time, common.out_of_memory_hint("update", args):
@@ -453,15 +450,15 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             token_reward = token_rewards(rewards, old_logprobs, ref_logprobs, mask, args.beta)
             advantages, returns = gae_advantages(token_reward, old_values, mask, args.gamma, args.lam)
             if args.whiten_advantages:
-                advantages = whiten(advantages, mask, d)
+                advantages = whiten(advantages, mask, world)
 
             # ---- Update (eq. 3: eq. 7 + eq. 26 - entropy) ----------------------------------------
             train_actor = step > args.critic_warmup_steps
             stats = update_policy(policy, critic, optimizer, critic_optimizer, rollout, advantages, returns,
-                                  old_logprobs, old_values, args, update_rng, d, train_actor)
+                                  old_logprobs, old_values, args, update_rng, world, train_actor)
             if train_actor:
                 scheduler.step()
-        if not all(common.weights_finite(m, d) for m in (policy, critic)):  # a finite gradient times a huge step
+        if not all(common.weights_finite(m, world) for m in (policy, critic)):  # a finite gradient times a huge step
             raise common.RunStopped(f"the weights are not finite after step {step}; the newest checkpoint in "
                                     f"{run_dir} holds the last good ones: lower --learning-rate")
         with common.Timer() as sync_time:  # the generation engine samples from the new weights
@@ -474,11 +471,11 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
         totals = common.all_reduce_sums({
             "reward": rewards.sum().item(), "correct": sum(correct), "well_formed": sum(well_formed),
             "tokens": rollout.completion_lengths.sum().item(), "sequences": len(rewards),
-            "zero_std_groups": zero_std_groups, "truncated": sum(r == "length" for r in rollout.finish_reasons),
+            "truncated": sum(r == "length" for r in rollout.finish_reasons),
             "advantage": (advantages * mask).sum().item(), "advantage_squared": (advantages.pow(2) * mask).sum().item(),
             "value": (old_values * mask).sum().item(), "return": (returns * mask).sum().item(),
             "return_squared": (returns.pow(2) * mask).sum().item(), "error": errors.sum().item(),
-            "error_squared": errors.pow(2).sum().item(), **{f"update/{k}": v for k, v in stats.items()}}, d)
+            "error_squared": errors.pow(2).sum().item(), **{f"update/{k}": v for k, v in stats.items()}}, world)
         n, tokens = totals["sequences"], totals["tokens"]
         adv_mean = totals["advantage"] / tokens  # per token
         return_mean = totals["return"] / tokens
@@ -504,19 +501,17 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             "time/step": step_time,
         }
         for k in stats:  # the update's means, averaged over processes
-            scalars[("charts/" if k in ("ratio", "vllm_logprob_diff") else "losses/") + k] = totals[f"update/{k}"] / d.world_size
-        if args.group_size > 1:
-            scalars["charts/zero_std_fraction"] = totals["zero_std_groups"] / (n / args.group_size)
+            scalars[("charts/" if k in ("ratio", "vllm_logprob_diff") else "losses/") + k] = totals[f"update/{k}"] / world.world_size
         if args.eval_every and step % args.eval_every == 0 or step == args.num_steps:
             bar.phase("evaluating")
-            scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, d,
+            scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, world,
                                            args.prompt_template))
         logger.log(step, scalars)
         if step % args.log_samples_every == 0 or step == 1:
             logger.log_samples(step, [prompts[i // args.group_size] for i in range(len(rewards))], rollout.texts,
                                rewards.tolist())
         bar.show(scalars)
-        save = lambda **kw: common.save_checkpoint(policy, tokenizer, run_dir, step, d, critic=critic,  # noqa: E731
+        save = lambda **kw: common.save_checkpoint(policy, tokenizer, run_dir, step, world, critic=critic,  # noqa: E731
                                                    keep=args.keep_checkpoints, **kw)
         if control.end_of_step(step, bar, save):
             break

@@ -24,13 +24,13 @@ def measure(a) -> dict:
     import common
     import grpo
 
-    d = common.Dist()
+    world = common.Dist()
     path = common.resolve_model(a.model)
     tokenizer = common.load_tokenizer(path)
-    model = common.load_model(path, d.device)
+    model = common.load_model(path, world.device)
     args = grpo.Args(backend=a.backend, max_new_tokens=a.max_new, seed=0)
     start = time.perf_counter()
-    backend = common.make_backend(a.backend, model, tokenizer, args, path, d)
+    backend = common.make_backend(a.backend, model, tokenizer, args, path, world)
     startup = time.perf_counter() - start
     prompts = [common.make_prompt(tokenizer, t) for t in common.generate_tasks(a.prompts, 1)]
     backend.generate(prompts[:1], 2, 8, 1.0, seed=1)  # warm-up

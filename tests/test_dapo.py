@@ -112,14 +112,14 @@ class ScriptedBatches:
 def test_dynamic_sampling_keeps_informative_groups_and_refills():
     # G = 2, 3 groups per batch. Batch 0 has one informative group (1); batch 1 has two (0 and 2).
     sample = ScriptedBatches([[1.0, 1.0, 0.0, 1.0, 0.1, 0.1], [0.0, 0.1, 1.0, 1.0, 1.0, 0.0], [0.0, 1.0] * 3])
-    groups = dapo.dynamic_sampling(sample, num_groups=3, group_size=2, max_generation_batches=5, d=common.Dist())
+    groups = dapo.dynamic_sampling(sample, num_groups=3, group_size=2, max_generation_batches=5, world=common.Dist())
     assert groups == [(0, 1, True), (1, 0, True), (1, 2, True)]
     assert sample.calls == 2  # stopped as soon as the step was full
 
 
 def test_dynamic_sampling_stops_at_the_limit_and_masks_the_shortfall():
     sample = ScriptedBatches([[1.0, 1.0, 0.0, 0.0], [0.1, 0.1, 0.0, 1.0], [0.0, 1.0, 0.0, 1.0]])
-    groups = dapo.dynamic_sampling(sample, num_groups=2, group_size=2, max_generation_batches=2, d=common.Dist())
+    groups = dapo.dynamic_sampling(sample, num_groups=2, group_size=2, max_generation_batches=2, world=common.Dist())
     assert sample.calls == 2
     # one informative group; one uninformative group keeps the shape and stays out of the loss
     assert groups == [(1, 1, True), (0, 0, False)]

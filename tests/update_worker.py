@@ -30,10 +30,10 @@ def main():
     for k, v in overrides.items():
         kind = type(getattr(args, k))
         setattr(args, k, v == "True" if kind is bool else kind(v))
-    d = common.setup_distributed("cpu")
+    world = common.setup_distributed("cpu")
     torch.manual_seed(0)
-    policy = common.load_model(model_dir, d.device)
-    ref_model = common.load_model(model_dir, d.device, trainable=False)
+    policy = common.load_model(model_dir, world.device)
+    ref_model = common.load_model(model_dir, world.device, trainable=False)
     with torch.no_grad():  # a reference that differs from the policy, so the KL term has a gradient
         for p in ref_model.parameters():
             p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
@@ -45,33 +45,33 @@ def main():
     old_logprobs_full = common.batched_logprobs(policy, full, 8)[0] + 0.05 * torch.randn(
         full.completion_ids.shape, generator=torch.Generator().manual_seed(1))
 
-    share = len(rewards) // d.world_size
-    s = slice(d.rank * share, (d.rank + 1) * share)
+    share = len(rewards) // world.world_size
+    s = slice(world.rank * share, (world.rank + 1) * share)
     mine = full.select(list(range(len(rewards)))[s])
     trained = [policy]
     if algo_name == "ppo":
         # per-token rewards (eq. 8), GAE, and whitening over both processes' shares together
-        critic = algo.load_value_model(model_dir, d.device)
+        critic = algo.load_value_model(model_dir, world.device)
         old_values = algo.batched_values(critic, full, 8) + 0.1 * torch.randn(
             full.completion_ids.shape, generator=torch.Generator().manual_seed(2))
         mask = full.completion_mask.float()
         token_reward = algo.token_rewards(rewards, old_logprobs_full, ref_logprobs_full, mask, args.beta)
         advantages, returns = algo.gae_advantages(token_reward, old_values, mask, args.gamma, args.lam)
-        advantages = algo.whiten(advantages[s], mask[s], d)
-        policy, critic = common.parallelize(policy, d, args.fsdp), common.parallelize(critic, d, args.fsdp)
+        advantages = algo.whiten(advantages[s], mask[s], world)
+        policy, critic = common.parallelize(policy, world, args.fsdp), common.parallelize(critic, world, args.fsdp)
         optimizer = torch.optim.SGD(policy.parameters(), lr=args.learning_rate)
         critic_optimizer = torch.optim.SGD(critic.parameters(), lr=args.critic_learning_rate)
         algo.update_policy(policy, critic, optimizer, critic_optimizer, mine, advantages, returns[s],
-                           old_logprobs_full[s], old_values[s], args, torch.Generator().manual_seed(0), d)
+                           old_logprobs_full[s], old_values[s], args, torch.Generator().manual_seed(0), world)
         trained.append(critic)
     else:
-        policy = common.parallelize(policy, d, args.fsdp)  # DDP, or FSDP2 with fsdp=True
+        policy = common.parallelize(policy, world, args.fsdp)  # DDP, or FSDP2 with fsdp=True
         optimizer = torch.optim.SGD(policy.parameters(), lr=args.learning_rate)
         algo.update_policy(policy, optimizer, mine, advantages[s], old_logprobs_full[s], ref_logprobs_full[s],
-                           args, torch.Generator().manual_seed(0), d)
-    assert all(common.is_sharded(m) == (args.fsdp and d.enabled) for m in trained)
+                           args, torch.Generator().manual_seed(0), world)
+    assert all(common.is_sharded(m) == (args.fsdp and world.enabled) for m in trained)
     full = [common.full_state_dict(m) or common.unwrap(m).state_dict() for m in trained]  # gathers FSDP2 shards
-    if d.is_main:
+    if world.is_main:
         torch.save(torch.cat([t.detach().flatten() for sd in full for t in sd.values()]), out)
     common.cleanup_distributed()
 

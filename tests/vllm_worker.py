@@ -24,11 +24,11 @@ def greedy(backend, prompts):
 
 def main():
     model_dir, out_dir = sys.argv[1:3]
-    d = common.Dist()
+    world = common.Dist()
     tok = common.load_tokenizer(model_dir)
-    policy = common.load_model(model_dir, d.device)
+    policy = common.load_model(model_dir, world.device)
     args = grpo.Args(backend="vllm", max_new_tokens=16)
-    engine = common.make_backend("vllm", policy, tok, args, model_dir, d)
+    engine = common.make_backend("vllm", policy, tok, args, model_dir, world)
     hf = common.make_backend("hf", policy, tok, args)
     prompts = [common.make_prompt(tok, t) for t in common.generate_tasks(4, 3)]
     result = {}
@@ -71,7 +71,7 @@ def main():
 
     # 4. a fresh engine started from the changed weights gives what the synced engine gave (created
     # last: tearing down a second in-process engine would reset vLLM's global state under the first)
-    fresh = common.make_backend("vllm", policy, tok, args, changed, d)
+    fresh = common.make_backend("vllm", policy, tok, args, changed, world)
     result["synced_equals_fresh"] = synced == greedy(fresh, prompts)[0]
     print(json.dumps(result))
 

@@ -269,11 +269,17 @@ def resolve_model(name: str) -> str:
                           f"the hub id could not be resolved ({type(err).__name__})") from None
 
 
+def check_safetensors(path) -> None:
+    """Raises if a safetensors file is truncated or not one: its header must match the file's length."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        f.keys()
+
+
 def check_model_folder(path: str, flag: str = "--model") -> None:
     """A model folder that transformers can load: a readable config.json, weights (safetensors whose
     headers match their lengths, or .bin files) and tokenizer files; else one line naming what is wrong."""
-    from safetensors import safe_open
-
     where = f"{flag}={path!r} is not allowed"
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"{where}: the folder has no config.json")
@@ -288,8 +294,7 @@ def check_model_folder(path: str, flag: str = "--model") -> None:
         raise ConfigError(f"{where}: the folder has no weights (*.safetensors or *.bin)")
     for file in (f for f in weights if f.endswith(".safetensors")):
         try:
-            with safe_open(os.path.join(path, file), "pt") as f:
-                f.keys()
+            check_safetensors(os.path.join(path, file))
         except Exception as err:
             raise ConfigError(f"{where}: {file} is damaged ({str(err)[:100]})") from None
     if not {"tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json"} & set(files):
@@ -509,9 +514,9 @@ def generate_tasks(n: int, seed: int, min_numbers: int = 3, max_numbers: int = 4
 
 def check_task(row, where: str) -> dict:
     """A task as the reward can score it, or a ConfigError naming `where` (file and line) and the value."""
-    nums, target = row.get("nums") if isinstance(row, dict) else None, row.get("target") if isinstance(row, dict) else None
     if not isinstance(row, dict) or "nums" not in row or "target" not in row:
         raise ConfigError(f"{where} lacks the 'nums' and 'target' columns: {str(row)[:80]}")
+    nums, target = row["nums"], row["target"]
     is_int = lambda x: isinstance(x, int) and not isinstance(x, bool)  # noqa: E731
     if not isinstance(nums, (list, tuple)) or not nums or not all(is_int(x) and 0 < x <= MAX_TASK_VALUE for x in nums):
         raise ConfigError(f"{where}: 'nums' must be a non-empty list of integers in [1, {MAX_TASK_VALUE}], got {nums!r}")
@@ -1316,13 +1321,10 @@ def load_trainer_state(checkpoint: Path) -> dict:
 def intact_checkpoint(checkpoint: Path) -> dict:
     """The trainer state of a checkpoint whose files all read back (weights' headers, trainer state);
     raises OSError/RuntimeError/ValueError for a truncated or missing one."""
-    from safetensors import safe_open
-
     if not list(checkpoint.glob("*.safetensors")):
         raise FileNotFoundError(f"no model weights in {checkpoint}")
     for file in list(checkpoint.glob("*.safetensors")) + list(checkpoint.glob("critic/*.safetensors")):
-        with safe_open(str(file), "pt") as f:  # checks the header against the file's length
-            f.keys()
+        check_safetensors(file)
     return load_trainer_state(checkpoint)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib.util
 import json
 import os
@@ -191,10 +192,12 @@ def all_reduce_sums(sums: dict[str, float], world: Dist) -> dict[str, float]:
     return dict(zip(names, all_reduce_sum([float(sums[k]) for k in names], world)))
 
 
-def generation_seed(seed: int, draw: int, rank: int) -> int:
-    """The sampling seed of one generation batch: different for every run seed, draw (the step, or a
-    step's n-th batch) and process, and independent of what ran before, so a resumed run samples the same."""
-    return seed * 1_000_003 + draw * 1_009 + rank
+def generation_seed(seed: int, step: int, rank: int, batch: int = 0) -> int:
+    """The sampling seed of one generation batch: different for every run seed, step, batch of the step
+    (DAPO's dynamic sampling draws several) and process, and independent of what ran before, so a resumed
+    run samples the same."""
+    digest = hashlib.sha256(f"{seed},{step},{batch},{rank}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
 
 
 def seed_everything(seed: int) -> None:

@@ -238,26 +238,43 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, pe
     return -penalty * ((lengths - (max_new_tokens - buffer)).clamp(min=0) / buffer).clamp(max=1.0)
 
 
-def dynamic_sampling(sample_batch: Callable[[], torch.Tensor], num_groups: int, group_size: int,
-                     max_generation_batches: int, world: common.Dist) -> list[tuple[int, int, bool]]:
-    """DAPO's dynamic sampling: drop groups whose filter metric (accuracy, as DAPO and verl's recipe
-    filter; or the shaped reward) is the same for every completion, and call sample_batch() (fresh
-    prompts; returns that metric per completion) until every process has num_groups informative groups,
-    or max_generation_batches batches were generated.
+class GenerationBatch(NamedTuple):
+    """One call of the generation backend and its rewards (dynamic sampling may make several per step)."""
+    prompts: list[str]
+    rollout: common.Rollout
+    rewards: torch.Tensor
+    correct: list[float]
+    well_formed: list[float]
+    seconds: float
 
-    Returns num_groups (generation batch, group, in_loss) triples: the informative groups, then, if
-    the limit was hit, uninformative ones with in_loss False that only keep the batch shape the same on
+
+def dynamic_sampling(batches: list[GenerationBatch], num_groups: int, group_size: int,
+                     metric: str) -> list[tuple[int, int, bool]]:
+    """DAPO's dynamic sampling (its Algorithm 1): of this step's generation batches, keep the groups whose
+    filter metric (`accuracy`, as DAPO and verl's recipe filter, or the shaped `reward`) is not the same
+    for every completion, at most num_groups.
+
+    Returns num_groups (generation batch, group, in_loss) triples: the informative groups, then, while
+    there are too few, uninformative ones with in_loss False that only keep the batch shape the same on
     every process (they are masked out of the loss).
     """
     informative, uninformative = [], []
-    for batch in range(max_generation_batches):
-        for group, all_equal in enumerate(equal_reward_groups(sample_batch(), group_size).tolist()):
-            (uninformative if all_equal else informative).append((batch, group))
-        missing = common.all_reduce_sum([max(0, num_groups - len(informative))], world)[0]
-        if missing == 0:
-            break
+    for b, batch in enumerate(batches):
+        values = torch.tensor(batch.correct) if metric == "accuracy" else batch.rewards
+        for group, all_equal in enumerate(equal_reward_groups(values, group_size).tolist()):
+            (uninformative if all_equal else informative).append((b, group))
     kept = [(b, g, True) for b, g in informative[:num_groups]]
     return kept + [(b, g, False) for b, g in uninformative[:num_groups - len(kept)]]
+
+
+def training_batch(batches: list[GenerationBatch], groups: list[tuple[int, int, bool]], group_size: int,
+                   pad_token_id: int) -> tuple[common.Rollout, torch.Tensor, torch.Tensor]:
+    """The selected groups as one rollout, their rewards, and which completions are in the loss."""
+    rows = lambda g: list(range(g * group_size, (g + 1) * group_size))  # noqa: E731
+    rollout = common.concat_rollouts([batches[b].rollout.select(rows(g)) for b, g, _ in groups], pad_token_id)
+    rewards = torch.cat([batches[b].rewards[rows(g)] for b, g, _ in groups])
+    kept = torch.tensor([keep for _, _, keep in groups for _ in range(group_size)], device=rewards.device)
+    return rollout, rewards, kept
 
 
 def engine_correction(advantages, old_logprobs, engine_logprobs, cap: float):
@@ -349,16 +366,6 @@ def check_args(args: Args, world_size: int) -> None:
     common.require(args.adv_eps > 0, "adv_eps", args.adv_eps, "> 0")
 
 
-class GenerationBatch(NamedTuple):
-    """One call of the generation backend and its rewards (dynamic sampling may make several per step)."""
-    prompts: list[str]
-    rollout: common.Rollout
-    rewards: torch.Tensor
-    correct: list[float]
-    well_formed: list[float]
-    seconds: float
-
-
 RewardFn = Callable[[common.Rollout, list], tuple[list, list, list]]
 """(rollout, tasks aligned with its rows) -> (reward, correct, well_formed), each one float per completion;
 the default scores Countdown with countdown_reward.py."""
@@ -403,45 +410,35 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
     control = common.RunControl(args, "dapo", run_dir, world, update_rng, stateful, state)  # resume, stop, save
     bar, scalars = common.ProgressBar(args.num_steps, world, initial=control.start_step - 1), {}
     local_prompts = args.prompts_per_step // world.world_size
-    for step in range(control.start_step, args.num_steps + 1):
-        step_start = time.perf_counter()
-        batches: list[GenerationBatch] = []  # every generation batch of this step
+    step, batches = control.start_step, []  # batches: this step's generation batches (dynamic sampling)
+    while step <= args.num_steps:
+        if not batches:  # a new step
+            step_start = time.perf_counter()
 
-        def sample_batch() -> torch.Tensor:
-            batch_start = time.perf_counter()
-            # ---- Rollout: G completions for each prompt of this process's share ----------------------
-            tasks = sampler.next_batch(args.prompts_per_step, world)
-            prompts = [common.make_prompt(tokenizer, t, args.prompt_template) for t in tasks]
-            seed = common.generation_seed(args.seed, step * args.max_generation_batches + len(batches), world.rank)
-            rollout = backend.generate(prompts, args.group_size, args.max_new_tokens, args.temperature,
-                                       args.top_p, seed=seed)
-            group_tasks = [t for t in tasks for _ in range(args.group_size)]
-
-            # ---- Reward, with the soft overlong punishment ------------------------------------------
-            rewards, correct, well_formed = reward_fn(rollout, group_tasks)
-            rewards = torch.tensor(rewards, dtype=torch.float32, device=world.device)
-            if args.overlong_buffer > 0:
-                rewards += overlong_penalty(rollout.completion_lengths.to(rewards), args.max_new_tokens,
-                                            args.overlong_buffer, args.overlong_penalty)
-            batches.append(GenerationBatch(prompts, rollout, rewards, correct, well_formed,
-                                           time.perf_counter() - batch_start))
-            return torch.tensor(correct, device=world.device) if args.dynamic_sampling_metric == "accuracy" else rewards
-
-        # ---- Dynamic sampling: only informative groups, more prompts until the step is full --------------
+        # ---- Rollout: G completions for each prompt of this process's share --------------------------
+        tasks = sampler.next_batch(args.prompts_per_step, world)
+        prompts = [common.make_prompt(tokenizer, t, args.prompt_template) for t in tasks]
         bar.phase("generating")
         with common.Timer() as generation_time, common.out_of_memory_hint("generation", args):
-            if args.dynamic_sampling:
-                groups = dynamic_sampling(sample_batch, local_prompts, args.group_size,
-                                          args.max_generation_batches, world)
-            else:
-                sample_batch()
-                groups = [(0, g, True) for g in range(local_prompts)]
-        G = args.group_size
-        rollout = common.concat_rollouts(
-            [batches[b].rollout.select(list(range(g * G, (g + 1) * G))) for b, g, _ in groups],
-            tokenizer.pad_token_id)
-        rewards = torch.cat([batches[b].rewards[g * G:(g + 1) * G] for b, g, _ in groups])
-        kept = torch.tensor([keep for _, _, keep in groups for _ in range(G)], device=world.device)
+            rollout = backend.generate(prompts, args.group_size, args.max_new_tokens, args.temperature, args.top_p,
+                                       seed=common.generation_seed(args.seed, step, world.rank, batch=len(batches)))
+        group_tasks = [t for t in tasks for _ in range(args.group_size)]
+
+        # ---- Reward, with the soft overlong punishment -----------------------------------------------
+        rewards, correct, well_formed = reward_fn(rollout, group_tasks)
+        rewards = torch.tensor(rewards, dtype=torch.float32, device=world.device)
+        if args.overlong_buffer > 0:
+            rewards += overlong_penalty(rollout.completion_lengths.to(rewards), args.max_new_tokens,
+                                        args.overlong_buffer, args.overlong_penalty)
+
+        # ---- Dynamic sampling: informative groups only; sample more prompts until the step is full ----
+        batches.append(GenerationBatch(prompts, rollout, rewards, correct, well_formed, generation_time.seconds))
+        groups = (dynamic_sampling(batches, local_prompts, args.group_size, args.dynamic_sampling_metric)
+                  if args.dynamic_sampling else [(0, g, True) for g in range(local_prompts)])
+        missing = common.all_reduce_sum([sum(not in_loss for _, _, in_loss in groups)], world)[0]
+        if missing and len(batches) < args.max_generation_batches:
+            continue  # the same step, more prompts (every process agrees: `missing` is summed over them)
+        rollout, rewards, kept = training_batch(batches, groups, args.group_size, tokenizer.pad_token_id)
         in_loss = kept.clone()
         if args.mask_truncated:  # overlong filtering
             in_loss &= torch.tensor([r == "stop" for r in rollout.finish_reasons], device=world.device)
@@ -480,7 +477,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             "reward": generated.sum().item(), "correct": sum(sum(b.correct) for b in batches),
             "well_formed": sum(sum(b.well_formed) for b in batches),
             "tokens": sum(b.rollout.completion_lengths.sum().item() for b in batches), "sequences": len(generated),
-            "zero_std_groups": sum(equal_reward_groups(b.rewards, G).sum().item() for b in batches),
+            "zero_std_groups": sum(equal_reward_groups(b.rewards, args.group_size).sum().item() for b in batches),
             "truncated": sum(r == "length" for b in batches for r in b.rollout.finish_reasons),
             "advantage": trained.sum().item(), "advantage_squared": trained.pow(2).sum().item(),
             "trained": len(trained), "regeneration_seconds": sum(b.seconds for b in batches[1:]),
@@ -493,7 +490,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             "charts/format_rate": totals["well_formed"] / n,
             "charts/response_length": totals["tokens"] / n,
             "charts/truncated_fraction": totals["truncated"] / n,
-            "charts/zero_std_fraction": totals["zero_std_groups"] / (n / G),
+            "charts/zero_std_fraction": totals["zero_std_groups"] / (n / args.group_size),
             "charts/generation_batches": len(batches),
             "charts/dropped_fraction": 1 - totals["trained"] / n,  # generated groups not trained on
             "charts/advantage_mean": adv_mean,
@@ -501,16 +498,16 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             "charts/learning_rate": scheduler.get_last_lr()[0],
             "charts/tokens_per_second": totals["tokens"] / step_time,
             "charts/skipped_steps": control.skipped_steps,
-            "time/generation": generation_time.seconds,
+            "time/generation": sum(b.seconds for b in batches),
             "time/regeneration": totals["regeneration_seconds"] / world.world_size,  # generation batches after the first
             "time/update": update_time.seconds,
             "time/weight_sync": sync_time.seconds,
             "time/step": step_time,
         }
-        if totals["trained"] < args.prompts_per_step * G:
+        if totals["trained"] < args.prompts_per_step * args.group_size:
+            informative = int(totals["trained"]) // args.group_size
             bar.write(f"step {step}: dynamic sampling stopped at --max-generation-batches="
-                      f"{args.max_generation_batches}; training on {int(totals['trained']) // G} informative groups, "
-                      f"not {args.prompts_per_step}")
+                      f"{args.max_generation_batches}; training on {informative} informative groups, not {args.prompts_per_step}")
         for k in stats:  # the update's means, averaged over processes
             scalars[("charts/" if k in ("ratio", "vllm_logprob_diff") else "losses/") + k] = totals[f"update/{k}"] / world.world_size
         if args.eval_every and step % args.eval_every == 0 or step == args.num_steps:
@@ -519,14 +516,14 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
                                            args.prompt_template))
         logger.log(step, scalars)
         if step % args.log_samples_every == 0 or step == 1:
-            first = batches[0]
-            logger.log_samples(step, [first.prompts[i // G] for i in range(len(first.rewards))], first.rollout.texts,
-                               first.rewards.tolist())
+            logger.log_samples(step, [prompts[i // args.group_size] for i in range(len(batches[-1].rewards))],
+                               batches[-1].rollout.texts, batches[-1].rewards.tolist())
         bar.show(scalars)
         save = lambda **kw: common.save_checkpoint(policy, tokenizer, run_dir, step, world,  # noqa: E731
                                                    keep=args.keep_checkpoints, **kw)
         if control.end_of_step(step, bar, save):
             break
+        step, batches = step + 1, []
 
     bar.close()
     logger.close()

@@ -98,36 +98,41 @@ def test_overlong_penalty_at_the_buffer_edges():
 
 
 # ---- Dynamic sampling -------------------------------------------------------------------------------
-class ScriptedBatches:
-    """Stands in for generation + reward: returns preset rewards, one generation batch per call."""
-
-    def __init__(self, batches):
-        self.batches, self.calls = batches, 0
-
-    def __call__(self):
-        self.calls += 1
-        return torch.tensor(self.batches[self.calls - 1])
+def generation_batches(accuracy_per_batch: list[list[float]]) -> list[dapo.GenerationBatch]:
+    """Generation batches whose completions are right (1.0) or wrong (0.0) as given; rewards the same."""
+    return [dapo.GenerationBatch([], None, torch.tensor(acc), acc, acc, 0.0) for acc in accuracy_per_batch]
 
 
-def test_dynamic_sampling_keeps_informative_groups_and_refills():
+def test_dynamic_sampling_keeps_informative_groups_in_order():
     # G = 2, 3 groups per batch. Batch 0 has one informative group (1); batch 1 has two (0 and 2).
-    sample = ScriptedBatches([[1.0, 1.0, 0.0, 1.0, 0.1, 0.1], [0.0, 0.1, 1.0, 1.0, 1.0, 0.0], [0.0, 1.0] * 3])
-    groups = dapo.dynamic_sampling(sample, num_groups=3, group_size=2, max_generation_batches=5, world=common.Dist())
-    assert groups == [(0, 1, True), (1, 0, True), (1, 2, True)]
-    assert sample.calls == 2  # stopped as soon as the step was full
-
-
-def test_dynamic_sampling_stops_at_the_limit_and_masks_the_shortfall():
-    sample = ScriptedBatches([[1.0, 1.0, 0.0, 0.0], [0.1, 0.1, 0.0, 1.0], [0.0, 1.0, 0.0, 1.0]])
-    groups = dapo.dynamic_sampling(sample, num_groups=2, group_size=2, max_generation_batches=2, world=common.Dist())
-    assert sample.calls == 2
-    # one informative group; one uninformative group keeps the shape and stays out of the loss
-    assert groups == [(1, 1, True), (0, 0, False)]
+    batches = generation_batches([[1.0, 1.0, 0.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 1.0, 1.0, 0.0]])
+    assert dapo.dynamic_sampling(batches[:1], 3, 2, "accuracy") == [(0, 1, True), (0, 0, False), (0, 2, False)]
+    assert dapo.dynamic_sampling(batches, 3, 2, "accuracy") == [(0, 1, True), (1, 0, True), (1, 2, True)]
 
 
 def test_dynamic_sampling_does_not_keep_more_than_the_step_needs():
-    sample = ScriptedBatches([[0.0, 1.0] * 4])
-    assert dapo.dynamic_sampling(sample, 3, 2, 3, common.Dist()) == [(0, 0, True), (0, 1, True), (0, 2, True)]
+    batches = generation_batches([[0.0, 1.0] * 4])
+    assert dapo.dynamic_sampling(batches, 3, 2, "accuracy") == [(0, 0, True), (0, 1, True), (0, 2, True)]
+
+
+def test_dynamic_sampling_filters_on_the_chosen_metric():
+    # all wrong, rewards differ by a shaping term: informative by reward, not by accuracy
+    batch = dapo.GenerationBatch([], None, torch.tensor([0.1, 0.096, 0.1, 0.1]), [0.0] * 4, [1.0] * 4, 0.0)
+    assert dapo.dynamic_sampling([batch], 2, 2, "accuracy") == [(0, 0, False), (0, 1, False)]
+    assert dapo.dynamic_sampling([batch], 2, 2, "reward") == [(0, 0, True), (0, 1, False)]
+
+
+def test_training_batch_takes_the_selected_groups():
+    rollouts = [common.Rollout(torch.ones(4, 2, dtype=torch.long), torch.ones(4, 2, dtype=torch.long),
+                               torch.arange(4 * n).view(4, n), torch.ones(4, n, dtype=torch.long),
+                               [f"b{b}r{r}" for r in range(4)], ["stop"] * 4) for b, n in ((0, 3), (1, 5))]
+    batches = [dapo.GenerationBatch([], rollouts[b], torch.tensor([0.0, 1.0, 2.0, 3.0]) + 10 * b, [], [], 0.0)
+               for b in range(2)]
+    rollout, rewards, kept = dapo.training_batch(batches, [(1, 1, True), (0, 0, False)], 2, pad_token_id=0)
+    assert rollout.texts == ["b1r2", "b1r3", "b0r0", "b0r1"]
+    assert rewards.tolist() == [12.0, 13.0, 0.0, 1.0]
+    assert kept.tolist() == [True, True, False, False]
+    assert rollout.completion_mask.sum(-1).tolist() == [5, 5, 3, 3]  # shorter batch padded on the right
 
 
 # ---- Learning and the split ------------------------------------------------------------------------

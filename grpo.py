@@ -337,6 +337,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
         group_tasks = [t for t in tasks for _ in range(args.group_size)]
 
         # ---- Reward ------------------------------------------------------------------------------
+        bar.phase("scoring")
         rewards, correct, well_formed = reward_fn(rollout, group_tasks)
         rewards = torch.tensor(rewards, dtype=torch.float32, device=world.device)
 

@@ -2,13 +2,16 @@
 
 import json
 import math
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import common
 import countdown_reward
-from conftest import synthetic_rollout
+from conftest import ROOT, subprocess_env, synthetic_rollout
 
 
 def test_generated_tasks_are_solvable_deterministic_and_held_out():
@@ -126,6 +129,28 @@ def test_bad_model_name_is_a_clear_error(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(common.ConfigError, match="--model=.*no config.json"):
         common.resolve_model(str(tmp_path / "empty"))
+
+
+def test_a_hub_id_loads_from_the_local_hf_cache_offline(tiny_model_dir, tmp_path):
+    """No hub access here: a hub id must resolve to its complete cached snapshot, and an incomplete one
+    (weights missing) must be a one-line error, not a half-loaded model."""
+    def resolve(repo_id):
+        env = {**subprocess_env(), "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+        code = f"import common; print(common.resolve_model({repo_id!r}))"
+        return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+
+    for name, weights in (("complete", True), ("partial", False)):
+        repo = tmp_path / "hub" / f"models--org--{name}"
+        shutil.copytree(tiny_model_dir, repo / "snapshots" / "abc123")
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text("abc123")
+        if not weights:
+            (repo / "snapshots" / "abc123" / "model.safetensors").unlink()
+    out = resolve("org/complete")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(tmp_path / "hub" / "models--org--complete" / "snapshots" / "abc123")
+    out = resolve("org/partial")
+    assert out.returncode != 0 and "ConfigError" in out.stderr and "org/partial" in out.stderr
 
 
 def test_the_hub_dataset_is_split_as_tinyzero_splits_it():

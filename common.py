@@ -80,14 +80,30 @@ def out_of_memory_hint(stage: str, args):
                          f"--max-new-tokens={args.max_new_tokens}): {OOM_HINTS[stage]}") from err
 
 
-def check_common_args(args, world_size: int = 1) -> None:
-    """Checks that every script shares; each script adds its own before loading anything."""
+def check_finite(args) -> None:
+    """No NaN or infinity in any float flag (an infinite learning rate makes NaN weights)."""
     import math
 
-    for f in fields(args):  # no NaN or infinity in any number (an infinite learning rate makes NaN weights)
+    for f in fields(args):
         value = getattr(args, f.name)
         if isinstance(value, float):
             require(math.isfinite(value), f.name, value, "a finite number")
+
+
+def check_task_args(args) -> None:
+    """The generated tasks' flags (training and evaluate.py)."""
+    require(args.task_min_numbers >= 2, "task_min_numbers", args.task_min_numbers, ">= 2")
+    require(args.task_max_numbers >= args.task_min_numbers, "task_max_numbers", args.task_max_numbers,
+            f">= --task-min-numbers ({args.task_min_numbers})")
+    require(1 <= args.task_max_value <= MAX_TASK_VALUE, "task_max_value", args.task_max_value,
+            f"in [1, {MAX_TASK_VALUE}] (the reward reads numbers of at most {countdown_reward.MAX_LITERAL_DIGITS} digits)")
+    require(bool(args.task_operators) and set(args.task_operators) <= set("+-*/"), "task_operators",
+            args.task_operators, "a non-empty subset of '+-*/'")
+
+
+def check_common_args(args, world_size: int = 1) -> None:
+    """Checks that every script shares; each script adds its own before loading anything."""
+    check_finite(args)
     require(0 <= args.seed < 2**31, "seed", args.seed, "in [0, 2**31)")
     require(bool(args.exp_name) and args.exp_name not in (".", "..") and "/" not in args.exp_name
             and os.sep not in args.exp_name, "exp_name", args.exp_name, "a name without path separators")
@@ -125,13 +141,7 @@ def check_common_args(args, world_size: int = 1) -> None:
     local_sequences = args.prompts_per_step // world_size * args.group_size
     require(local_sequences % args.num_minibatches == 0, "num_minibatches", args.num_minibatches,
             f"a divisor of the sequences per process per step ({local_sequences})")
-    require(args.task_min_numbers >= 2, "task_min_numbers", args.task_min_numbers, ">= 2")
-    require(args.task_max_numbers >= args.task_min_numbers, "task_max_numbers", args.task_max_numbers,
-            f">= --task-min-numbers ({args.task_min_numbers})")
-    require(1 <= args.task_max_value <= MAX_TASK_VALUE, "task_max_value", args.task_max_value,
-            f"in [1, {MAX_TASK_VALUE}] (the reward reads numbers of at most {countdown_reward.MAX_LITERAL_DIGITS} digits)")
-    require(bool(args.task_operators) and set(args.task_operators) <= set("+-*/"), "task_operators",
-            args.task_operators, "a non-empty subset of '+-*/'")
+    check_task_args(args)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -244,6 +254,7 @@ def bundled_model_dir() -> str:
         tmp = target.with_name(target.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp)
+        write_portable_config(tmp)
         AutoTokenizer.from_pretrained(src, gguf_file=gguf).save_pretrained(tmp)
         os.replace(tmp, target)
     return str(target)
@@ -1248,6 +1259,24 @@ class ProgressBar:
 TRAINER_STATE = "trainer_state.pt"
 
 
+def write_portable_config(folder) -> None:
+    """Make `folder/config.json` read the same in transformers 4.x and 5.x. 5.x keeps RoPE's settings
+    only under `rope_parameters`; a 4.x reader (the lm-eval and vLLM many users have) would then silently
+    use its default rope_theta (10000, not Qwen2.5's 1e6). The legacy top-level `rope_theta`,
+    `rope_scaling` and `torch_dtype` are written beside the new fields, which 5.x reads first."""
+    path = Path(folder, "config.json")
+    config = json.loads(path.read_text())
+    rope = config.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        config.setdefault("rope_theta", rope["rope_theta"])
+        if rope.get("rope_type", "default") != "default":
+            config.setdefault("rope_scaling", {"type": rope["rope_type"],
+                                               **{k: v for k, v in rope.items() if k != "rope_theta"}})
+    if "dtype" in config:
+        config.setdefault("torch_dtype", config["dtype"])
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def save_checkpoint(model, tokenizer, run_dir: str, step: int, world: Dist, critic=None, state: dict | None = None,
                     keep: int = 0, final: bool = False) -> str | None:
     """Written to a temporary folder and renamed into place, so a crash never leaves half a checkpoint.
@@ -1265,6 +1294,7 @@ def save_checkpoint(model, tokenizer, run_dir: str, step: int, world: Dist, crit
         try:
             shutil.rmtree(tmp, ignore_errors=True)
             unwrap(model).save_pretrained(tmp, state_dict=weights["model"])
+            write_portable_config(tmp)
             tokenizer.save_pretrained(tmp)
             if critic is not None:
                 unwrap(critic).save_pretrained(tmp / "critic", state_dict=weights["critic"])
@@ -1296,8 +1326,8 @@ def save_checkpoint(model, tokenizer, run_dir: str, step: int, world: Dist, crit
 
 def weights_finite(model, world: Dist) -> bool:
     """Are all of the model's weights (this process's shards) finite on every process?"""
-    local = all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
-                for p in model.parameters())
+    finite = [torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all() for p in model.parameters()]
+    local = bool(torch.stack(finite).all())  # one device synchronisation, not one per parameter
     return all_reduce_sum([float(not local)], world)[0] == 0
 
 

@@ -409,6 +409,9 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
     stateful = {"optimizer": common.OptimizerState(policy, optimizer), "scheduler": scheduler, "sampler": sampler}
     control = common.RunControl(args, "dapo", run_dir, world, update_rng, stateful, state)  # resume, stop, save
     bar, scalars = common.ProgressBar(args.num_steps, world, initial=control.start_step - 1), {}
+    if control.start_step == 1:  # step 0: the starting model, so that every curve begins there
+        bar.phase("evaluating")
+        logger.log(0, common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, world, args.prompt_template))
     local_prompts = args.prompts_per_step // world.world_size
     step, batches = control.start_step, []  # batches: this step's generation batches (dynamic sampling)
     while step <= args.num_steps:

@@ -418,6 +418,9 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
                 "sampler": sampler}
     control = common.RunControl(args, "ppo", run_dir, world, update_rng, stateful, state)  # resume, stop, save
     bar, scalars = common.ProgressBar(args.num_steps, world, initial=control.start_step - 1), {}
+    if control.start_step == 1:  # step 0: the starting model, so that every curve begins there
+        bar.phase("evaluating")
+        logger.log(0, common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, world, args.prompt_template))
     for step in range(control.start_step, args.num_steps + 1):
         step_start = time.perf_counter()
 

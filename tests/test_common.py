@@ -178,3 +178,24 @@ def test_health_warnings_come_once_each_and_only_when_due():
     said = health.check(late)
     assert len(said) == 2 and "--max-new-tokens" in said[0] and "entropy fell from 2 to 0.1" in said[1]
     assert health.check(late) == []
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "default", "rope_theta": 1e6},
+                                  {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                   "original_max_position_embeddings": 32768}])
+def test_a_saved_config_reads_the_same_in_transformers_4_and_5(rope, tmp_path):
+    """transformers 5 writes RoPE's settings under rope_parameters only; a 4.x reader takes a top-level
+    rope_theta (default 10000) and rope_scaling (default none) and would silently change the model."""
+    from transformers import AutoConfig, Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, rope_parameters=dict(rope))
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    assert "rope_theta" not in json.loads((tmp_path / "config.json").read_text())  # the 5.x file, as it comes
+    common.write_portable_config(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved.get("rope_theta", 10000.0) == 1e6  # as 4.x reads it
+    scaling = saved.get("rope_scaling")
+    assert (scaling is None) if rope["rope_type"] == "default" else (scaling["type"] == "yarn" and scaling["factor"] == 4.0)
+    reloaded = AutoConfig.from_pretrained(tmp_path).rope_parameters  # and 5.x still reads what it wrote
+    assert {k: reloaded[k] for k in rope} == rope

@@ -65,11 +65,12 @@ def test_grpo_runs_with_the_bundled_model(tmp_path):
                   "--max-new-tokens", "16", "--eval-size", "1", "--runs-dir", str(tmp_path), "--learning-rate", "1e-5"])
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir, rows = metrics(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert set(rows[0]) == {"step", "charts/eval_accuracy", "charts/eval_format_rate", "charts/eval_response_length"}
     for key in ["charts/reward", "charts/accuracy", "charts/format_rate", "losses/kl_ref", "losses/policy_loss",
                 "losses/grad_norm", "charts/eval_accuracy", "time/generation", "time/update"]:
         assert key in rows[-1], key
-    assert rows[0]["losses/kl_ref"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
+    assert rows[1]["losses/kl_ref"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
     # where the run is and how to see it, at the start and at the end
     assert result.stdout.count(f"run folder: {run_dir}  (curves: tensorboard --logdir {tmp_path})") == 2
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(run_dir))
@@ -79,8 +80,13 @@ def test_grpo_runs_with_the_bundled_model(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ckpt = os.path.join(run_dir, "checkpoint-2")
-    assert AutoModelForCausalLM.from_pretrained(ckpt).config.num_hidden_layers == 30
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    assert model.config.num_hidden_layers == 30
     assert AutoTokenizer.from_pretrained(ckpt).eos_token == "<|im_end|>"
+    # transformers 4.x reads a top-level rope_theta and defaults it to 10000 when absent: the checkpoint must
+    # give it the model's own value (5.x keeps it under rope_parameters only)
+    saved = json.load(open(os.path.join(ckpt, "config.json")))
+    assert saved.get("rope_theta", 10000.0) == model.config.rope_parameters["rope_theta"] == 100000.0
 
 
 @pytest.mark.parametrize("script,parallel", [("grpo.py", "--no-fsdp")] + [(s, "--fsdp") for s in SCRIPTS])
@@ -92,7 +98,7 @@ def test_torchrun_two_cpu_processes(script, parallel, tiny_model_dir, tmp_path):
                  torchrun=True, threads="1")
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir, rows = metrics(tmp_path)  # rank 0 alone writes
-    assert len(rows) == 2 and rows[-1]["charts/response_length"] > 0
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["charts/response_length"] > 0
     # the checkpoint is a whole HF model even when the weights were sharded
     from transformers import AutoModelForCausalLM
 

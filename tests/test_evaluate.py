@@ -1,0 +1,69 @@
+"""evaluate.py: pass@k, and a run's checkpoint scored exactly as the run scored itself."""
+
+import itertools
+import json
+import math
+
+import pytest
+
+import evaluate
+import grpo
+from conftest import run_script
+
+
+@pytest.mark.parametrize("n,c,k", [(8, 0, 1), (8, 1, 1), (8, 3, 2), (8, 3, 5), (8, 3, 6), (8, 8, 8), (5, 2, 4)])
+def test_pass_at_k_is_the_chance_that_k_drawn_samples_hold_a_correct_one(n, c, k):
+    outcomes = [True] * c + [False] * (n - c)
+    draws = list(itertools.combinations(range(n), k))
+    exact = sum(any(outcomes[i] for i in draw) for draw in draws) / len(draws)
+    assert evaluate.pass_at_k(n, c, k) == pytest.approx(exact, abs=1e-12)
+
+
+def test_a_runs_checkpoint_scores_as_its_final_evaluation(tiny_model_dir, tmp_path):
+    """The run's own data settings (not evaluate.py's defaults), its newest checkpoint, the same prompt:
+    greedy decoding then gives exactly the numbers the run logged at its last step."""
+    args = grpo.Args(model=tiny_model_dir, num_steps=2, prompts_per_step=2, group_size=2, max_new_tokens=12,
+                     eval_size=6, test_size=6, save_every=1, keep_checkpoints=0, runs_dir=str(tmp_path),
+                     task_min_numbers=2, task_max_numbers=2, task_max_value=20, task_operators="+",
+                     prompt_template="base", learning_rate=1e-3, num_minibatches=1)
+    out = grpo.train(args)
+    result = run_script(["evaluate.py", out["run_dir"], "--out", str(tmp_path / "eval.jsonl")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    scored = json.loads(result.stdout.strip().splitlines()[-1])
+    assert scored["step"] == 2 and scored["tasks"] == 6 and scored["max_new_tokens"] == 12
+    assert scored["greedy_accuracy"] == out["charts/eval_accuracy"]
+    assert scored["format_rate"] == out["charts/eval_format_rate"]
+    assert scored["response_length"] == pytest.approx(out["charts/eval_response_length"], abs=1e-9)
+    assert json.loads((tmp_path / "eval.jsonl").read_text()) == scored
+    # the step-0 row of the run is the starting model: evaluating that model gives the same numbers
+    base = run_script(["evaluate.py", tiny_model_dir, "--test-size", "6", "--max-new-tokens", "12",
+                       "--task-min-numbers", "2", "--task-max-numbers", "2", "--task-max-value", "20",
+                       "--task-operators", "+", "--prompt-template", "base"])
+    assert base.returncode == 0, base.stderr[-3000:]
+    step0 = json.loads(open(f"{out['run_dir']}/metrics.jsonl").readline())
+    assert step0["step"] == 0
+    assert json.loads(base.stdout.strip().splitlines()[-1])["response_length"] == pytest.approx(
+        step0["charts/eval_response_length"], abs=1e-9)
+
+
+def test_sampled_pass_at_k_is_reported_and_bounded(tiny_model_dir):
+    result = run_script(["evaluate.py", tiny_model_dir, "--size", "2", "--samples", "3", "--max-new-tokens", "4"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    scored = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(scored) >= {"pass@1", "pass@2", "pass@3", "sampled_accuracy"}
+    assert scored["pass@1"] == pytest.approx(scored["sampled_accuracy"])  # pass@1 is the mean accuracy
+    assert all(0.0 <= scored[f"pass@{k}"] <= 1.0 and math.isfinite(scored[f"pass@{k}"]) for k in (1, 2, 3))
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda p: (p / "args.json").write_text("{}"), "has no intact checkpoint"),
+    (lambda p: (p / "args.json").write_text("[1, 2]"), "args.json is not a JSON object"),
+    (lambda p: None, "no config.json"),
+])
+def test_a_target_that_cannot_be_scored_is_a_one_line_error(make, message, tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    make(folder)
+    result = run_script(["evaluate.py", str(folder)])
+    assert result.returncode == 2 and message in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import countdown_reward
@@ -963,28 +964,85 @@ def model_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask):
     return input_ids, attention_mask, position_ids
 
 
-def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                        temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False):
-    """Log-probs (B, T) of the completion tokens, and the entropy (B, T) of each next-token distribution.
+LOGPROB_CHUNK = 1024
+"""Completion positions per chunk of the output layer: a chunk's float32 logits are the largest tensor
+of the log-prob pass (1024 x Qwen2.5's 151,936 vocabulary = 0.6 GB), never the whole micro-batch's."""
 
-    Logits are kept only for completion positions (`logits_to_keep`), scaled by the sampling
-    temperature so the ratio compares the distributions actually sampled from, and turned into
-    float32 one micro-batch at a time by the caller.
-    """
-    input_ids, attention_mask, position_ids = model_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
-    T = completion_ids.shape[1]
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=T + 1, use_cache=False).logits[:, :-1].float()
+
+def _logprobs_from_logits(logits, targets, temperature: float, with_entropy: bool, entropy_grad: bool):
+    """(..., 2): the log-prob of each target token and the entropy of its distribution, in float32."""
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     log_norm = torch.logsumexp(logits, -1)
-    logprobs = logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1) - log_norm
-    entropy = None
+    logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm
+    entropy = torch.zeros_like(logprobs)
     if with_entropy:  # eq. 5: H = -sum p log p = logsumexp(l) - sum softmax(l) * l
-        # Without entropy_grad (no entropy bonus) it is a statistic: no graph through (B, T, vocab) tensors
+        # Without entropy_grad (no entropy bonus) it is a statistic: no graph through (..., vocab) tensors
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy = log_norm - (torch.softmax(logits, -1) * logits).sum(-1)
-    return logprobs, entropy
+    return torch.stack([logprobs, entropy], -1)
+
+
+def _chunk_logprobs(hidden, weight, bias, targets, temperature: float, with_entropy: bool, entropy_grad: bool):
+    return _logprobs_from_logits(F.linear(hidden, weight, bias), targets, temperature, with_entropy, entropy_grad)
+
+
+@contextlib.contextmanager
+def logprob_head(model, targets, temperature: float, with_entropy: bool, entropy_grad: bool, chunk: int):
+    """Inside, the model's output layer returns (B, T + 1, 2): the log-prob of each target token and the
+    entropy, computed `chunk` positions at a time under activation checkpointing, so that neither the
+    forward nor the backward ever holds the (B, T, vocab) logits. The swap happens inside the model's own
+    forward, so DDP's and FSDP2's hooks (gradient sync, unsharding the output layer) run as usual."""
+    head = unwrap(model).get_output_embeddings()
+
+    def forward(hidden):  # hidden (B, T + 1, H): the positions that predict each completion token, and one more
+        B, T, H = targets.shape[0], targets.shape[1], hidden.shape[-1]
+        flat, flat_targets = hidden[:, :-1].reshape(B * T, H), targets.reshape(B * T)
+        parts = [torch.utils.checkpoint.checkpoint(
+            _chunk_logprobs, flat[i:i + chunk], head.weight, head.bias, flat_targets[i:i + chunk], temperature,
+            with_entropy, entropy_grad, use_reentrant=False) for i in range(0, B * T, chunk)]
+        out = torch.cat(parts).view(B, T, 2)
+        return torch.cat([out, out.new_zeros(B, 1, 2)], 1)  # the extra position, as the model's logits have
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward  # the class's forward again
+
+
+def chunked_head_supported(model) -> bool:
+    """A plain linear output layer whose logits the model returns as they are (no soft-capping or scaling)."""
+    inner = unwrap(model)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    config = getattr(inner, "config", None)
+    return (isinstance(head, torch.nn.Linear) and type(head).forward is torch.nn.Linear.forward
+            and getattr(config, "final_logit_softcapping", None) is None
+            and getattr(config, "logit_scale", None) is None and getattr(config, "logits_scaling", None) is None)
+
+
+def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                        temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False,
+                        chunk: int = LOGPROB_CHUNK):
+    """Log-probs (B, T) of the completion tokens, and the entropy (B, T) of each next-token distribution.
+
+    Only completion positions reach the output layer (`logits_to_keep`); logits are scaled by the sampling
+    temperature so the ratio compares the distributions actually sampled from, and taken in float32.
+    `chunk` positions at a time (logprob_head) unless `chunk` is 0 or the model's head is not a plain linear
+    layer: then the whole (B, T, vocab) logits are materialised, as most trainers do.
+    """
+    input_ids, attention_mask, position_ids = model_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    T = completion_ids.shape[1]
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                  logits_to_keep=T + 1, use_cache=False)
+    if chunk and chunked_head_supported(model):
+        with logprob_head(model, completion_ids, temperature, with_entropy, entropy_grad, chunk):
+            out = model(**inputs).logits[:, :-1]
+        return out[..., 0], (out[..., 1] if with_entropy else None)
+    out = _logprobs_from_logits(model(**inputs).logits[:, :-1], completion_ids, temperature, with_entropy,
+                                entropy_grad)
+    return out[..., 0], (out[..., 1] if with_entropy else None)
 
 
 def over_micro_batches(fn, rollout: Rollout, micro_batch_size: int):

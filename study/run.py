@@ -41,21 +41,21 @@ PAPER_SCRIPT = {  # each algorithm at the paper's values
     "dapo": dict(prompts_per_step=256, group_size=8, num_minibatches=4, clip_low=0.2, clip_high=0.28, beta=0.0,
                  dynamic_sampling=False, micro_batch_size=8),
 }
-# CPU: the warm-started bundled model on the easiest rung; 64 completions per step for every algorithm
+# CPU: the warm-started bundled model on the easiest rung; 32 completions per step for every algorithm
 CPU = dict(task_min_numbers=2, task_max_numbers=2, task_max_value=20, task_operators="+", max_new_tokens=48,
-           learning_rate=2e-5, num_steps=40, eval_every=5, eval_size=64, test_size=64, save_every=5,
+           learning_rate=3e-5, num_steps=40, eval_every=5, eval_size=64, test_size=64, save_every=5,
            keep_checkpoints=1, micro_batch_size=16, log_samples_every=5)
 CPU_SCRIPT = {
-    "ppo": dict(prompts_per_step=64, group_size=1, num_minibatches=2, critic_learning_rate=1e-4, beta=0.001),
-    "grpo": dict(prompts_per_step=8, group_size=8, num_minibatches=2, beta=0.01),
-    "dapo": dict(prompts_per_step=8, group_size=8, num_minibatches=2, clip_low=0.2, clip_high=0.28, beta=0.0,
+    "ppo": dict(prompts_per_step=32, group_size=1, num_minibatches=2, critic_learning_rate=1e-4, beta=0.001),
+    "grpo": dict(prompts_per_step=4, group_size=8, num_minibatches=2, beta=0.01),
+    "dapo": dict(prompts_per_step=4, group_size=8, num_minibatches=2, clip_low=0.2, clip_high=0.28, beta=0.0,
                  dynamic_sampling=False),
 }
 
 # experiment -> (what the paper shows, [(variant name, script, flags over the scale's script defaults)])
 EXPERIMENTS = {
     "algorithms": ("Table 3 / section 4: PPO vs GRPO vs DAPO (no dynamic sampling) at the same number of steps", [
-        ("ppo", "ppo", {}), ("grpo", "grpo", {}), ("dapo", "dapo", {})]),
+        ("grpo", "grpo", {}), ("dapo", "dapo", {}), ("ppo", "ppo", {})]),
     "entropy": ("Fig. 3: PPO with and without an entropy bonus (c2 = 0.001, verl's former default; "
                 "the paper gives no value)", [
         ("ent-0", "ppo", dict(ent_coef=0.0)), ("ent-0.001", "ppo", dict(ent_coef=0.001))]),

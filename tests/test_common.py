@@ -199,3 +199,30 @@ def test_a_saved_config_reads_the_same_in_transformers_4_and_5(rope, tmp_path):
     assert (scaling is None) if rope["rope_type"] == "default" else (scaling["type"] == "yarn" and scaling["factor"] == 4.0)
     reloaded = AutoConfig.from_pretrained(tmp_path).rope_parameters  # and 5.x still reads what it wrote
     assert {k: reloaded[k] for k in rope} == rope
+
+
+@pytest.mark.parametrize("temperature,entropy_grad", [(1.0, False), (0.7, True)])
+def test_chunked_logprobs_match_the_full_vocabulary_pass(temperature, entropy_grad, tiny_model_dir):
+    """The chunked output layer (never more than `chunk` positions' logits) gives the values and the
+    gradients of the plain pass over (B, T, vocab) logits; chunk 7 leaves a ragged last chunk."""
+    torch.manual_seed(0)
+    model = common.load_model(tiny_model_dir, torch.device("cpu"))
+    prompt_ids = torch.randint(0, 49152, (3, 5))
+    prompt_mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    completion_ids = torch.randint(0, 49152, (3, 11))
+    completion_mask = (torch.arange(11) < torch.tensor([[11], [4], [8]])).long()
+    weights = torch.randn(3, 11)
+    results = []
+    for chunk in (0, 7):
+        model.zero_grad()
+        logprobs, entropy = common.completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                                       temperature, with_entropy=True, entropy_grad=entropy_grad,
+                                                       chunk=chunk)
+        loss = (logprobs * weights * completion_mask).sum() + (entropy * completion_mask).sum() * entropy_grad
+        loss.backward()
+        results.append((logprobs.detach(), entropy.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (lp0, ent0, grads0), (lp1, ent1, grads1) = results
+    assert torch.allclose(lp0, lp1, atol=1e-5) and torch.allclose(ent0, ent1, atol=1e-5)
+    assert all(torch.allclose(grads0[n], grads1[n], atol=1e-5, rtol=1e-4) for n in grads0)
+    assert any(g.abs().sum() > 0 for g in grads1.values())
+    assert common.chunked_head_supported(model)

@@ -118,6 +118,8 @@ def check_common_args(args, world_size: int = 1) -> None:
     for name in ("num_steps", "prompts_per_step", "group_size", "max_new_tokens", "micro_batch_size",
                  "update_epochs", "num_minibatches", "eval_size", "test_size"):
         require(getattr(args, name) >= 1, name, getattr(args, name), "a positive integer")
+    require(args.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch", args.max_tokens_per_micro_batch,
+            ">= 0 (0: --micro-batch-size sequences per micro-batch)")
     require(args.temperature > 0, "temperature", args.temperature, "> 0 (sampling needs a temperature)")
     require(0 < args.top_p <= 1, "top_p", args.top_p, "in (0, 1]")
     require(args.learning_rate > 0, "learning_rate", args.learning_rate, "> 0")
@@ -1045,17 +1047,80 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     return out[..., 0], (out[..., 1] if with_entropy else None)
 
 
+@dataclass
+class MicroBatch:
+    """Rows of a rollout for one forward/backward, without the columns that are padding in all of them."""
+    idx: torch.Tensor      # rows of the rollout
+    prompt_width: int      # prompt columns kept, from the right (prompts are left-padded)
+    completion_width: int  # completion columns kept, from the left (completions are right-padded)
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's part of a per-sequence (B,) or per-completion-token (B, T) tensor."""
+        rows = tensor[self.idx]
+        return rows[:, :self.completion_width] if rows.dim() == 2 else rows
+
+    def inputs(self, rollout: "Rollout") -> tuple:
+        """(prompt_ids, prompt_mask, completion_ids, completion_mask) of these rows, trimmed."""
+        cut = slice(rollout.prompt_ids.shape[1] - self.prompt_width, None)
+        return (rollout.prompt_ids[self.idx][:, cut], rollout.prompt_mask[self.idx][:, cut],
+                self(rollout.completion_ids), self(rollout.completion_mask))
+
+    @property
+    def padded_tokens(self) -> int:
+        return len(self.idx) * (self.prompt_width + self.completion_width)
+
+
+def micro_batches(rollout: "Rollout", rows: torch.Tensor, micro_batch_size: int, max_tokens: int = 0,
+                  world: Dist | None = None) -> list[MicroBatch]:
+    """`rows` in micro-batches of similar lengths (sorted, longest first), each cut to its own longest
+    prompt and completion, so that little compute goes to padding: `micro_batch_size` rows each, or, with
+    `max_tokens`, as many rows as fit in that many padded tokens (verl's use_dynamic_bsz). With a token
+    budget every process gets as many micro-batches as the process that needs most (FSDP2's forwards are
+    collective). The loss must not depend on the split: the scripts weight each micro-batch by its rows
+    (sample-level) or divide by the whole batch's token count (token-level)."""
+    prompt_len = rollout.prompt_mask[rows].sum(-1)
+    completion_len = rollout.completion_mask[rows].sum(-1)
+    order = rows[torch.argsort(completion_len * 65536 + prompt_len, descending=True, stable=True)]
+    lengths = {int(r): (int(p), int(c)) for r, p, c in zip(rows.tolist(), prompt_len.tolist(), completion_len.tolist())}
+    groups: list[list[int]] = []
+    if not max_tokens:
+        groups = [order[i:i + micro_batch_size].tolist() for i in range(0, len(order), micro_batch_size)]
+    else:
+        for r in order.tolist():
+            p, c = lengths[r]
+            if groups:
+                widest_p = max(p, *(lengths[x][0] for x in groups[-1]))  # completions come longest first
+                if (len(groups[-1]) + 1) * (widest_p + lengths[groups[-1][0]][1]) <= max_tokens:
+                    groups[-1].append(r)
+                    continue
+            groups.append([r])
+        if world is not None and world.enabled:
+            needed = torch.tensor([len(groups)], device=world.device)
+            dist.all_reduce(needed, op=dist.ReduceOp.MAX)
+            while len(groups) < needed.item():  # split the group with the most rows
+                largest = max(range(len(groups)), key=lambda i: len(groups[i]))
+                half = groups[largest][:len(groups[largest]) // 2], groups[largest][len(groups[largest]) // 2:]
+                groups[largest:largest + 1] = list(half)
+    device = rows.device
+    return [MicroBatch(torch.tensor(g, device=device), max(lengths[r][0] for r in g), max(lengths[r][1] for r in g))
+            for g in groups]
+
+
 def over_micro_batches(fn, rollout: Rollout, micro_batch_size: int):
-    """fn(prompt_ids, prompt_mask, completion_ids, completion_mask) on each micro-batch of the rollout,
-    its outputs (a tensor, or a tuple of tensors or None) concatenated along the batch."""
-    outs = []
-    for i in range(0, len(rollout.completion_ids), micro_batch_size):
-        s = slice(i, i + micro_batch_size)
-        outs.append(fn(rollout.prompt_ids[s], rollout.prompt_mask[s], rollout.completion_ids[s],
-                       rollout.completion_mask[s]))
-    if isinstance(outs[0], torch.Tensor):
-        return torch.cat(outs)
-    return tuple(None if parts[0] is None else torch.cat(parts) for parts in zip(*outs))
+    """fn(prompt_ids, prompt_mask, completion_ids, completion_mask) on micro-batches of similar lengths,
+    its (B, T) outputs (a tensor, or a tuple of tensors or None) put back in the rollout's row order and
+    zero-padded to the rollout's width."""
+    B, T = rollout.completion_ids.shape
+    results = None
+    for mb in micro_batches(rollout, torch.arange(B, device=rollout.completion_ids.device), micro_batch_size):
+        out = fn(*mb.inputs(rollout))
+        parts = (out,) if isinstance(out, torch.Tensor) else out
+        if results is None:
+            results = [None if p is None else p.new_zeros(B, T) for p in parts]
+        for full, part in zip(results, parts):
+            if part is not None:
+                full[mb.idx, :part.shape[1]] = part
+    return results[0] if isinstance(out, torch.Tensor) else tuple(results)
 
 
 @torch.no_grad()

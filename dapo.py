@@ -120,6 +120,9 @@ class Args:
     state stay float32 (bf16 weights would round most of a 1e-6 update away)"""
     micro_batch_size: int = 8
     """sequences per forward/backward (gradient accumulation); lower it when out of memory"""
+    max_tokens_per_micro_batch: int = 0
+    """pack each update micro-batch by padded tokens (prompt + completion) instead of --micro-batch-size
+    sequences (verl's ppo_max_token_len_per_gpu); 0: off. Micro-batches are always cut to their own lengths"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, slower updates"""
     fsdp: bool = False
@@ -310,27 +313,26 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
             if num_tokens == 0:  # every token masked out (dynamic sampling found nothing, or all truncated)
                 continue
             optimizer.zero_grad(set_to_none=True)
-            micro_batches = minibatch.split(args.micro_batch_size)
-            for i, idx in enumerate(micro_batches):
+            micro_batches = common.micro_batches(rollout, minibatch, args.micro_batch_size,
+                                                 args.max_tokens_per_micro_batch, world)
+            for i, mb in enumerate(micro_batches):
                 last = i == len(micro_batches) - 1
                 with common.gradient_sync(policy, enabled=last):
-                    logprobs, entropy = common.completion_logprobs(
-                        policy, rollout.prompt_ids[idx], rollout.prompt_mask[idx], rollout.completion_ids[idx],
-                        rollout.completion_mask[idx], args.temperature, with_entropy=True,
-                        entropy_grad=args.ent_coef > 0)
-                    old = logprobs.detach() if old_logprobs is None else old_logprobs[idx]
-                    adv, engine_gap = advantages[idx], None
+                    logprobs, entropy = common.completion_logprobs(policy, *mb.inputs(rollout), args.temperature,
+                                                                   with_entropy=True, entropy_grad=args.ent_coef > 0)
+                    old = logprobs.detach() if old_logprobs is None else mb(old_logprobs)
+                    adv, engine_gap = mb(advantages), None
                     if rollout.logprobs is not None:  # vLLM sampled the tokens
-                        adv, engine_gap = engine_correction(adv, old, rollout.logprobs[idx], args.vllm_importance_cap)
-                    pg_loss, stats = policy_loss(logprobs, old, adv, mask[idx], args.clip_low, args.clip_high,
+                        adv, engine_gap = engine_correction(adv, old, mb(rollout.logprobs), args.vllm_importance_cap)
+                    pg_loss, stats = policy_loss(logprobs, old, adv, mb(mask), args.clip_low, args.clip_high,
                                                  num_tokens)
                     if ref_logprobs is not None:
-                        kl = token_mean(kl_k3(logprobs, ref_logprobs[idx]), mask[idx], num_tokens)
+                        kl = token_mean(kl_k3(logprobs, mb(ref_logprobs)), mb(mask), num_tokens)
                     else:
                         kl = torch.zeros((), device=logprobs.device)
-                    entropy_bonus = token_mean(entropy, mask[idx], num_tokens)  # eq. 3's S term
+                    entropy_bonus = token_mean(entropy, mb(mask), num_tokens)  # eq. 3's S term
                     if engine_gap is not None:
-                        stats["vllm_logprob_diff"] = token_mean(engine_gap, mask[idx], num_tokens).item()
+                        stats["vllm_logprob_diff"] = token_mean(engine_gap, mb(mask), num_tokens).item()
                     loss = pg_loss + args.beta * kl - args.ent_coef * entropy_bonus
                     loss.backward()
                 stats.update(policy_loss=pg_loss.item(), kl_ref=kl.item(), entropy=entropy_bonus.item())

@@ -97,6 +97,9 @@ class Args:
     state stay float32 (bf16 weights would round most of a 1e-6 update away)"""
     micro_batch_size: int = 8
     """sequences per forward/backward (gradient accumulation); lower it when out of memory"""
+    max_tokens_per_micro_batch: int = 0
+    """pack each update micro-batch by padded tokens (prompt + completion) instead of --micro-batch-size
+    sequences (verl's ppo_max_token_len_per_gpu); 0: off. Micro-batches are always cut to their own lengths"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, slower updates"""
     fsdp: bool = False
@@ -234,30 +237,30 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
     for _ in range(args.update_epochs):
         for minibatch in torch.randperm(batch_size, generator=generator).chunk(args.num_minibatches):
             optimizer.zero_grad(set_to_none=True)
-            micro_batches = minibatch.split(args.micro_batch_size)
-            for i, idx in enumerate(micro_batches):
+            micro_batches = common.micro_batches(rollout, minibatch, args.micro_batch_size,
+                                                 args.max_tokens_per_micro_batch, world)
+            for i, mb in enumerate(micro_batches):
                 last = i == len(micro_batches) - 1
                 with common.gradient_sync(policy, enabled=last):
-                    logprobs, entropy = common.completion_logprobs(
-                        policy, rollout.prompt_ids[idx], rollout.prompt_mask[idx], rollout.completion_ids[idx],
-                        rollout.completion_mask[idx], args.temperature, with_entropy=True)
-                    old = logprobs.detach() if old_logprobs is None else old_logprobs[idx]
-                    adv, engine_gap = advantages[idx], None
+                    logprobs, entropy = common.completion_logprobs(policy, *mb.inputs(rollout), args.temperature,
+                                                                   with_entropy=True)
+                    old = logprobs.detach() if old_logprobs is None else mb(old_logprobs)
+                    adv, engine_gap = mb(advantages), None
                     if rollout.logprobs is not None:  # vLLM sampled the tokens
-                        adv, engine_gap = engine_correction(adv, old, rollout.logprobs[idx], args.vllm_importance_cap)
-                    pg_loss, stats = policy_loss(logprobs, old, adv, mask[idx], args.clip_eps)
+                        adv, engine_gap = engine_correction(adv, old, mb(rollout.logprobs), args.vllm_importance_cap)
+                    pg_loss, stats = policy_loss(logprobs, old, adv, mb(mask), args.clip_eps)
                     if ref_logprobs is not None:
-                        kl = sequence_mean(kl_k3(logprobs, ref_logprobs[idx]), mask[idx])
+                        kl = sequence_mean(kl_k3(logprobs, mb(ref_logprobs)), mb(mask))
                     else:
                         kl = torch.zeros((), device=logprobs.device)
                     if engine_gap is not None:
-                        stats["vllm_logprob_diff"] = sequence_mean(engine_gap, mask[idx]).item()
+                        stats["vllm_logprob_diff"] = sequence_mean(engine_gap, mb(mask)).item()
                     loss = pg_loss + args.beta * kl
-                    (loss * len(idx) / len(minibatch)).backward()
+                    (loss * len(mb.idx) / len(minibatch)).backward()
                 stats.update(policy_loss=pg_loss.item(), kl_ref=kl.item(),
-                             entropy=sequence_mean(entropy.detach(), mask[idx]).item())
+                             entropy=sequence_mean(entropy.detach(), mb(mask)).item())
                 for k, v in stats.items():
-                    stats_sum[k] = stats_sum.get(k, 0.0) + v * len(idx) / (batch_size * args.update_epochs)
+                    stats_sum[k] = stats_sum.get(k, 0.0) + v * len(mb.idx) / (batch_size * args.update_epochs)
             grad_norm = common.clip_grad_norm_(policy, args.max_grad_norm)
             if torch.isfinite(grad_norm):
                 optimizer.step()

@@ -116,6 +116,9 @@ class Args:
     state stay float32 (bf16 weights would round most of a 1e-6 update away)"""
     micro_batch_size: int = 8
     """sequences per forward/backward (gradient accumulation); lower it when out of memory"""
+    max_tokens_per_micro_batch: int = 0
+    """pack each update micro-batch by padded tokens (prompt + completion) instead of --micro-batch-size
+    sequences (verl's ppo_max_token_len_per_gpu); 0: off. Micro-batches are always cut to their own lengths"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, slower updates"""
     fsdp: bool = False
@@ -306,29 +309,29 @@ def update_policy(policy, critic, optimizer, critic_optimizer, rollout: common.R
             num_tokens = common.all_reduce_sum([mask[minibatch].sum().item()], world)[0] / world.world_size
             optimizer.zero_grad(set_to_none=True)
             critic_optimizer.zero_grad(set_to_none=True)
-            micro_batches = minibatch.split(args.micro_batch_size)
-            for i, idx in enumerate(micro_batches):
+            micro_batches = common.micro_batches(rollout, minibatch, args.micro_batch_size,
+                                                 args.max_tokens_per_micro_batch, world)
+            for i, mb in enumerate(micro_batches):
                 last = i == len(micro_batches) - 1
-                inputs = (rollout.prompt_ids[idx], rollout.prompt_mask[idx], rollout.completion_ids[idx],
-                          rollout.completion_mask[idx])
+                inputs = mb.inputs(rollout)
                 with common.gradient_sync(critic, enabled=last), common.gradient_sync(policy, enabled=last or not train_actor):
                     values = completion_values(critic, *inputs)
-                    vf_loss, stats = value_loss(values, old_values[idx], returns[idx], mask[idx], args.clip_value,
+                    vf_loss, stats = value_loss(values, mb(old_values), mb(returns), mb(mask), args.clip_value,
                                                 num_tokens)
                     loss = args.vf_coef * vf_loss
                     if train_actor:
                         logprobs, entropy = common.completion_logprobs(policy, *inputs, args.temperature,
                                                                        with_entropy=True,
                                                                        entropy_grad=args.ent_coef > 0)
-                        adv, engine_gap = advantages[idx], None
+                        adv, engine_gap = mb(advantages), None
                         if rollout.logprobs is not None:  # vLLM sampled the tokens
-                            adv, engine_gap = engine_correction(adv, old_logprobs[idx], rollout.logprobs[idx],
+                            adv, engine_gap = engine_correction(adv, mb(old_logprobs), mb(rollout.logprobs),
                                                                 args.vllm_importance_cap)
-                        pg_loss, pg_stats = policy_loss(logprobs, old_logprobs[idx], adv, mask[idx], args.clip_eps,
+                        pg_loss, pg_stats = policy_loss(logprobs, mb(old_logprobs), adv, mb(mask), args.clip_eps,
                                                         num_tokens)
                         if engine_gap is not None:
-                            pg_stats["vllm_logprob_diff"] = token_mean(engine_gap, mask[idx], num_tokens).item()
-                        entropy_bonus = token_mean(entropy, mask[idx], num_tokens)  # eq. 4
+                            pg_stats["vllm_logprob_diff"] = token_mean(engine_gap, mb(mask), num_tokens).item()
+                        entropy_bonus = token_mean(entropy, mb(mask), num_tokens)  # eq. 4
                         loss = pg_loss + loss - args.ent_coef * entropy_bonus
                         stats.update(pg_stats, policy_loss=pg_loss.item(), entropy=entropy_bonus.item())
                     loss.backward()

@@ -43,7 +43,7 @@ PAPER_SCRIPT = {  # each algorithm at the paper's values
 }
 # CPU: the warm-started bundled model on the easiest rung; 32 completions per step for every algorithm
 CPU = dict(task_min_numbers=2, task_max_numbers=2, task_max_value=20, task_operators="+", max_new_tokens=48,
-           learning_rate=3e-5, num_steps=40, eval_every=5, eval_size=64, test_size=64, save_every=5,
+           learning_rate=3e-5, num_steps=20, eval_every=5, eval_size=64, test_size=64, save_every=5,
            keep_checkpoints=1, micro_batch_size=16, log_samples_every=5)
 CPU_SCRIPT = {
     "ppo": dict(prompts_per_step=32, group_size=1, num_minibatches=2, critic_learning_rate=1e-4, beta=0.001),
@@ -89,7 +89,7 @@ class Args:
     root: str = "study/results"
     """where the runs and figures go (`<root>/<scale>/<experiment>/`); git keeps their metrics, args and figures"""
     steps: int = 0
-    """training steps per run (0: the scale's default, 520 paper / 40 cpu)"""
+    """training steps per run (0: the scale's default, 520 paper / 20 cpu)"""
     warm_start: str = "study/results/warm_start"
     """--scale cpu: the warm-started model (made by study/warm_start.py when missing)"""
     extra: str = ""

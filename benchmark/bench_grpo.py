@@ -2,8 +2,12 @@
 
 Runs the script as a user would, reads its metrics.jsonl, and prints one JSON line: the median step time
 after the first step (warm-up), completion tokens per second, and the peak RSS of the training process.
-With --peer PYTHON, also runs benchmark/peer_trl_grpo.py (TRL's GRPOTrainer) with that Python on
-the same settings, one after the other, so both numbers come from the same machine and moment.
+With --peer PYTHON, also runs benchmark/peer_trl_grpo.py (TRL's GRPOTrainer) with that Python on the
+same settings, one after the other, so all numbers come from the same machine and moment: TRL in float32
+without gradient checkpointing (as a TRL user on a CPU without bf16 units runs it, and as the scripts here
+run), and with --peer-defaults also TRL's defaults (bf16, gradient checkpointing) as a labelled second
+row; then the ratios per step and per completion token. The update's model FLOP/s is reported against
+this machine's float32 matrix-product rate (a torch.mm on the same threads).
 
     python benchmark/bench_grpo.py                        # bundled model, 2 prompts x 4, 96 tokens, beta 0.04
     python benchmark/bench_grpo.py --peer /path/to/trl-venv/bin/python
@@ -53,10 +57,33 @@ def run_ours(a) -> dict:
     return out
 
 
-def run_peer(a) -> dict:
+def update_rate(a, ours: dict) -> dict:
+    """The update's model FLOP/s (benchmark/flops.py) and its share of this CPU's float32 matmul rate."""
+    import torch
+
+    sys.path.insert(0, ROOT)
+    import common
+    from flops import matmul_tflops, update_flops
+
+    torch.set_num_threads(a.threads)
+    path = common.resolve_model(a.model)
+    tokenizer = common.load_tokenizer(path)
+    tasks = common.generate_tasks(32, 0)
+    prompt_tokens = sum(len(tokenizer(common.make_prompt(tokenizer, t), add_special_tokens=False).input_ids)
+                        for t in tasks) / len(tasks)
+    # grpo.py/dapo.py defaults: one epoch of 4 minibatches (old log-probs needed), a reference when beta > 0
+    passes = {"train": 1, "forward": 1 + int(a.beta > 0)}
+    flops = update_flops(path, a.prompts * a.G, prompt_tokens, ours["mean_len"], passes)
+    rate = matmul_tflops("cpu", torch.float32, n=2048, repeats=10)
+    achieved = flops / ours["update_s"] / 1e12
+    return {"update_tflop": round(flops / 1e12, 2), "update_tflops": round(achieved, 3),
+            "matmul_tflops": round(rate, 3), "update_share_of_matmul_rate": round(achieved / rate, 2)}
+
+
+def run_peer(a, trl_defaults: bool = False) -> dict:
     peer = os.path.join(ROOT, "benchmark", "peer_trl_grpo.py")
     cmd = [a.peer, peer, a.model, "--steps", str(a.steps), "--G", str(a.G), "--prompts", str(a.prompts),
-           "--max-new", str(a.max_new), "--threads", str(a.threads)]
+           "--max-new", str(a.max_new), "--threads", str(a.threads)] + (["--trl-defaults"] if trl_defaults else [])
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -75,10 +102,20 @@ def main():
     p.add_argument("--nproc", type=int, default=1, help="processes under torchrun (threads are split)")
     p.add_argument("--extra", default="", help="more flags for the script")
     p.add_argument("--peer", default=None, help="a Python with trl installed: also run TRL's GRPOTrainer")
+    p.add_argument("--peer-defaults", action="store_true", help="also TRL with its defaults (bf16, recomputation)")
     a = p.parse_args()
-    print(json.dumps(run_ours(a)), flush=True)
+    ours = run_ours(a)
+    ours.update(update_rate(a, ours))
+    print(json.dumps(ours), flush=True)
     if a.peer:
-        print(json.dumps(run_peer(a)), flush=True)
+        for defaults in (False, True) if a.peer_defaults else (False,):
+            peer = run_peer(a, defaults)
+            peer["config"] = "TRL defaults (bf16, gradient checkpointing)" if defaults else "float32, no recomputation"
+            print(json.dumps(peer), flush=True)
+            print(json.dumps({"ratio": f"{a.script} vs TRL, {peer['config']}",
+                              "per_step": round(peer["s_per_step"] / ours["s_per_step"], 2),
+                              "per_completion_token": round(ours["completion_tok_per_s"] / peer["completion_tok_per_s"], 2)}),
+                  flush=True)
 
 
 if __name__ == "__main__":

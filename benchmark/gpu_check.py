@@ -31,6 +31,7 @@ import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 import common  # noqa: E402
+from flops import matmul_tflops, update_flops  # noqa: E402
 
 QWEN25_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                    num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6,
@@ -78,39 +79,6 @@ def load_weights(folder: str) -> dict[str, torch.Tensor]:
 def changed_fraction(before: dict, after: dict) -> float:
     changed = sum((before[k] != after[k]).sum().item() for k in before if k in after)
     return changed / sum(t.numel() for k, t in before.items() if k in after)
-
-
-def matmul_tflops(device: str, dtype=torch.bfloat16, n: int = 8192, repeats: int = 20) -> float:
-    """This device's dense matrix-product rate: the ceiling the update's FLOP/s is compared with."""
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    if device == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12
-
-
-def update_flops(model_dir: str, sequences: int, prompt_tokens: float, completion_tokens: float, passes: dict,
-                 output_layer: bool = True) -> float:
-    """Model FLOPs of one step's update phase, as MFU counts them: 6 x non-embedding parameters per token
-    for a forward + backward, 2 x for a forward-only pass (old and reference log-probs), plus the output
-    layer on completion positions; attention's quadratic term and activation recomputation not counted."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_dir)
-    h, layers, inter = config.hidden_size, config.num_hidden_layers, config.intermediate_size
-    kv = config.num_key_value_heads * h // config.num_attention_heads
-    per_layer = h * (h + 2 * kv) + h * h + 3 * h * inter  # q, k, v, o projections and the gated MLP
-    body, head = layers * per_layer, h * config.vocab_size * output_layer
-    tokens = sequences * (prompt_tokens + completion_tokens)
-    completion = sequences * completion_tokens
-    per_pass = {"train": 6, "forward": 2}
-    return sum(count * per_pass[kind] * (body * tokens + head * completion) for kind, count in passes.items())
 
 
 def check_script(name: str, model_dir: str, runs_dir: str, steps: int, max_new_tokens: int, device: str,

@@ -67,3 +67,14 @@ def test_a_target_that_cannot_be_scored_is_a_one_line_error(make, message, tmp_p
     result = run_script(["evaluate.py", str(folder)])
     assert result.returncode == 2 and message in result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_torchrun_shards_the_tasks_and_sums_the_same_scores(tiny_model_dir):
+    flags = [tiny_model_dir, "--size", "5", "--max-new-tokens", "6", "--samples", "2"]
+    one = run_script(["evaluate.py", *flags])
+    two = run_script(["evaluate.py", *flags], torchrun=True, threads="1")
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    single, sharded = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (one, two))
+    assert sharded["tasks"] == single["tasks"] == 5  # 3 + 2 tasks, the padding task not counted
+    for key in ("greedy_accuracy", "format_rate", "response_length"):
+        assert sharded[key] == pytest.approx(single[key], abs=1e-9), key

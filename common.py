@@ -967,9 +967,9 @@ def model_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask):
     return input_ids, attention_mask, position_ids
 
 
-LOGPROB_CHUNK = 1024
+LOGPROB_CHUNK = 512
 """Completion positions per chunk of the output layer: a chunk's float32 logits are the largest tensor
-of the log-prob pass (1024 x Qwen2.5's 151,936 vocabulary = 0.6 GB), never the whole micro-batch's."""
+of the log-prob pass (512 x Qwen2.5's 151,936 vocabulary = 0.3 GB), never the whole micro-batch's."""
 
 
 def _logprobs_from_logits(logits, targets, temperature: float, with_entropy: bool, entropy_grad: bool):
@@ -1079,8 +1079,10 @@ def micro_batches(rollout: "Rollout", rows: torch.Tensor, micro_batch_size: int,
     budget every process gets as many micro-batches as the process that needs most (FSDP2's forwards are
     collective). The loss must not depend on the split: the scripts weight each micro-batch by its rows
     (sample-level) or divide by the whole batch's token count (token-level)."""
-    prompt_len = rollout.prompt_mask[rows].sum(-1)
-    completion_len = rollout.completion_mask[rows].sum(-1)
+    device = rollout.completion_mask.device
+    rows = rows.cpu()
+    prompt_len = rollout.prompt_mask[rows.to(device)].sum(-1).cpu()
+    completion_len = rollout.completion_mask[rows.to(device)].sum(-1).cpu()
     order = rows[torch.argsort(completion_len * 65536 + prompt_len, descending=True, stable=True)]
     lengths = {int(r): (int(p), int(c)) for r, p, c in zip(rows.tolist(), prompt_len.tolist(), completion_len.tolist())}
     groups: list[list[int]] = []
@@ -1102,7 +1104,6 @@ def micro_batches(rollout: "Rollout", rows: torch.Tensor, micro_batch_size: int,
                 largest = max(range(len(groups)), key=lambda i: len(groups[i]))
                 half = groups[largest][:len(groups[largest]) // 2], groups[largest][len(groups[largest]) // 2:]
                 groups[largest:largest + 1] = list(half)
-    device = rows.device
     return [MicroBatch(torch.tensor(g, device=device), max(lengths[r][0] for r in g), max(lengths[r][1] for r in g))
             for g in groups]
 

@@ -221,7 +221,7 @@ def engine_correction(advantages, old_logprobs, engine_logprobs, cap: float):
 # ----------------------------------------------------------------------------------------------------
 # Update: update_epochs passes of num_minibatches optimizer steps, each accumulated over micro-batches
 # ----------------------------------------------------------------------------------------------------
-def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_logprobs, ref_logprobs,
+def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_logprobs, ref_model,
                   args: Args, generator: torch.Generator, world: common.Dist) -> dict:
     """Minimise -eq. 9 (clipped surrogate - beta * k3 KL, sample-level) over the rollout; mean stats.
 
@@ -249,8 +249,11 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
                     if rollout.logprobs is not None:  # vLLM sampled the tokens
                         adv, engine_gap = engine_correction(adv, old, mb(rollout.logprobs), args.vllm_importance_cap)
                     pg_loss, stats = policy_loss(logprobs, old, adv, mb(mask), args.clip_eps)
-                    if ref_logprobs is not None:
-                        kl = sequence_mean(kl_k3(logprobs, mb(ref_logprobs)), mb(mask))
+                    if ref_model is not None:  # on this very micro-batch: while pi_theta = pi_ref, exactly equal
+                        with torch.no_grad():
+                            ref, _ = common.completion_logprobs(common.unwrap(ref_model), *mb.inputs(rollout),
+                                                                args.temperature)
+                        kl = sequence_mean(kl_k3(logprobs, ref), mb(mask))
                     else:
                         kl = torch.zeros((), device=logprobs.device)
                     if engine_gap is not None:
@@ -353,17 +356,15 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
 
         bar.phase("updating")
         with common.Timer() as update_time, common.out_of_memory_hint("update", args):
-            # ---- Old and reference log-probs -----------------------------------------------------
+            # ---- Old log-probs (the reference's are taken in the update, micro-batch by micro-batch) ----
             # One epoch of one minibatch is on-policy: pi_old is the policy itself, so its log-probs are
             # the detached current ones and need no extra forward pass.
             on_policy = args.update_epochs == 1 and args.num_minibatches == 1
             old_logprobs = None if on_policy else common.batched_logprobs(
                 policy, rollout, args.micro_batch_size, args.temperature)[0]
-            ref_logprobs = common.batched_logprobs(
-                ref_model, rollout, args.micro_batch_size, args.temperature)[0] if args.beta > 0 else None
 
             # ---- Update (eq. 9, 11) --------------------------------------------------------------
-            stats = update_policy(policy, optimizer, rollout, advantages, old_logprobs, ref_logprobs, args,
+            stats = update_policy(policy, optimizer, rollout, advantages, old_logprobs, ref_model, args,
                                   update_rng, world)
             scheduler.step()
         if not all(common.weights_finite(m, world) for m in (policy,)):  # a finite gradient times a huge step

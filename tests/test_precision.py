@@ -63,3 +63,28 @@ def test_the_forward_runs_in_the_compute_dtype_and_the_weights_stay_float32(tiny
                                                   ("bfloat16", "cpu", torch.bfloat16), ("float32", "cuda", torch.float32)])
 def test_compute_dtype_flag(name, device, expected):
     assert common.compute_dtype(name, torch.device(device)) == expected
+
+
+def equal_rewards(rollout, tasks):
+    """Every completion scores 0.1: every group's advantage is exactly zero (eq. 10)."""
+    n = len(rollout.texts)
+    return [0.1] * n, [0.0] * n, [1.0] * n
+
+
+@pytest.mark.parametrize("script", ["grpo", "dapo"])
+def test_no_signal_no_update_even_with_a_kl_term(script, tiny_model_dir, tmp_path):
+    """Zero advantages and pi_theta = pi_ref: the true gradient is exactly zero, and AdamW turns any float
+    round-off left in it into a full learning-rate step. The reference log-probs must therefore equal the
+    policy's bit for bit, although micro-batches are sorted and cut to different widths (G = 8, 4
+    minibatches, micro-batches of 3)."""
+    import importlib
+
+    algo = importlib.import_module(script)
+    args = algo.Args(model=tiny_model_dir, num_steps=1, prompts_per_step=2, group_size=8, max_new_tokens=12,
+                     learning_rate=1e-3, beta=0.05, num_minibatches=4, micro_batch_size=3, eval_size=0,
+                     test_size=8, runs_dir=str(tmp_path), save_every=1, **({"dynamic_sampling": False} if script == "dapo" else {}))
+    out = algo.train(args, reward_fn=equal_rewards)
+    assert out["charts/advantage_std"] == 0.0 and out["losses/kl_ref"] == 0.0
+    after = load_file(os.path.join(out["run_dir"], "checkpoint-1", "model.safetensors"))
+    before = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    assert all(torch.equal(after[k], before[k]) for k in before)

@@ -67,7 +67,7 @@ def main():
     else:
         policy = common.parallelize(policy, world, args.fsdp)  # DDP, or FSDP2 with fsdp=True
         optimizer = torch.optim.SGD(policy.parameters(), lr=args.learning_rate)
-        algo.update_policy(policy, optimizer, mine, advantages[s], old_logprobs_full[s], ref_logprobs_full[s],
+        algo.update_policy(policy, optimizer, mine, advantages[s], old_logprobs_full[s], ref_model,
                            args, torch.Generator().manual_seed(0), world)
     assert all(common.is_sharded(m) == (args.fsdp and world.enabled) for m in trained)
     full = [common.full_state_dict(m) or common.unwrap(m).state_dict() for m in trained]  # gathers FSDP2 shards

@@ -260,7 +260,7 @@ def test_a_torn_metrics_line_does_not_block_resume(finished_run):
     result = cli(["grpo.py", "--resume", finished_run, "--num-steps", "2"])
     assert result.returncode == 0, result.stderr[-2000:]
     steps = [json.loads(line)["step"] for line in open(Path(finished_run, "metrics.jsonl"))]
-    assert steps == [1, 2]
+    assert steps == [0, 1, 2]
 
 
 @pytest.mark.parametrize("damage", [lambda p: p.unlink(), lambda p: p.write_text("[1, 2")])
@@ -292,6 +292,6 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_says_so(tiny_model_dir, small
     (run_dir,) = [p for p in small_disk.iterdir() if p.is_dir()]
     assert [p.name for p in common.complete_checkpoints(run_dir)] == ["checkpoint-1"]
     assert not list(run_dir.glob("*.tmp"))
-    assert [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")] == [1, 2, 3]
+    assert [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")] == [0, 1, 2, 3]
     checkpoint, state = common.find_checkpoint(str(run_dir))  # and it resumes from there
     assert state["step"] == 1

@@ -138,12 +138,12 @@ def test_ppo_learns_a_toy_reward_and_its_critic_improves(peaked_model_dir, tmp_p
                     learning_rate=3e-3, critic_learning_rate=1e-3, critic_warmup_steps=2, beta=0.0, eval_every=0,
                     save_every=0, eval_size=1, test_size=8, micro_batch_size=32, runs_dir=str(tmp_path), seed=1)
     out = ppo.train(args, reward_fn=even_token_reward)
-    rows = [json.loads(line) for line in open(os.path.join(out["run_dir"], "metrics.jsonl"))]
-    rewards = [r["charts/reward"] for r in rows]
+    rows = [json.loads(line) for line in open(os.path.join(out["run_dir"], "metrics.jsonl"))]  # rows[0]: step 0
+    rewards = [r["charts/reward"] for r in rows[1:]]
     assert sum(rewards[:3]) / 3 < 0.65, rewards
     assert sum(rewards[-5:]) / 5 > 0.85, rewards
-    assert "losses/policy_loss" not in rows[1] and "losses/policy_loss" in rows[2]  # critic warm-up: 2 steps
-    value_losses = [r["losses/value_loss"] for r in rows]
+    assert "losses/policy_loss" not in rows[2] and "losses/policy_loss" in rows[3]  # critic warm-up: 2 steps
+    value_losses = [r["losses/value_loss"] for r in rows[1:]]
     assert sum(value_losses[-5:]) / 5 < 0.5 * sum(value_losses[:3]) / 3, value_losses
 
 

@@ -66,7 +66,7 @@ def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(algo, sig, peak
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     expected, got = rows(run_dir_of(tmp_path / "whole")), rows(run_dir)
-    assert [r["step"] for r in got] == [1, 2, 3, 4]  # steps after the checkpoint were logged again
+    assert [r["step"] for r in got] == [0, 1, 2, 3, 4]  # steps after the checkpoint were logged again
     assert got == expected
     weights = lambda d: load_file(os.path.join(d, "checkpoint-4", "model.safetensors"))  # noqa: E731
     a, b = weights(run_dir_of(tmp_path / "whole")), weights(run_dir)

@@ -108,7 +108,7 @@ def test_torchrun_two_cpu_processes(script, parallel, tiny_model_dir, tmp_path):
     if parallel == "--fsdp":  # and a sharded run resumes from it
         more = run([script, "--resume", run_dir, "--num-steps", "3"], torchrun=True, threads="1")
         assert more.returncode == 0, more.stderr[-3000:]
-        assert [r["step"] for r in metrics(tmp_path)[1]] == [1, 2, 3]
+        assert [r["step"] for r in metrics(tmp_path)[1]] == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("dynamic_sampling", ["--dynamic-sampling", "--no-dynamic-sampling"])
@@ -119,6 +119,8 @@ def test_dapo_runs_with_the_bundled_model(dynamic_sampling, tmp_path):
                   "--dynamic-sampling-metric", "reward"])  # the bundled model is never right: filter on rewards
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir, rows = metrics(tmp_path)
+    assert rows[0]["step"] == 0 and "charts/eval_accuracy" in rows[0]  # the starting model
+    rows = rows[1:]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         if dynamic_sampling == "--no-dynamic-sampling":

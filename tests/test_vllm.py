@@ -56,6 +56,8 @@ def test_scripts_run_with_vllm(script, small_model_dir, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]  # the engine shut down before the process group
     _, rows = metrics(tmp_path)
+    assert rows[0]["step"] == 0 and "charts/eval_accuracy" in rows[0]  # the starting model
+    rows = rows[1:]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["time/weight_sync"] > 0 and r["charts/response_length"] > 0 for r in rows)
     # engine and trainer both compute in fp32 on CPU, with different kernels: a small gap, logged
@@ -75,6 +77,8 @@ def test_an_engine_per_torchrun_process_follows_the_sharded_weights(small_model_
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     _, rows = metrics(runs)  # rank 0 writes the metrics summed over both processes
+    assert rows[0]["step"] == 0 and "charts/eval_accuracy" in rows[0]  # the starting model
+    rows = rows[1:]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["time/weight_sync"] > 0 for r in rows)
     assert all(r["charts/vllm_logprob_diff"] < GAP for r in rows), [r["charts/vllm_logprob_diff"] for r in rows]

@@ -76,7 +76,8 @@ def labels(runs: list[Path]) -> list[str]:
             saved.append(json.loads((run / "args.json").read_text()))
         except (OSError, ValueError):
             saved.append({})
-    keys = sorted({k for s in saved for k in s} - NOT_LABELS)
+    shared = set.intersection(*(set(s) for s in saved)) if saved else set()
+    keys = sorted(shared - NOT_LABELS)  # a flag only one script has (clip_high) says nothing the script name does not
     differing = [k for k in keys if len({json.dumps(s.get(k)) for s in saved}) > 1]
     names = []
     for run, s in zip(runs, saved):

@@ -1148,13 +1148,18 @@ def countdown_rewards(texts: list[str], tasks: list[dict], format_score: float, 
 # ----------------------------------------------------------------------------------------------------
 # Greedy evaluation on the held-out split
 # ----------------------------------------------------------------------------------------------------
+def shard_tasks(tasks: list[dict], world: Dist) -> tuple[list[dict], list[dict]]:
+    """(this process's tasks, the same padded with copies of a task to the longest share): every process
+    makes the same generate calls (FSDP2 forwards are collective); the padding is generated and ignored."""
+    mine = tasks[world.rank::world.world_size]
+    per_process = -(-len(tasks) // world.world_size)
+    return mine, mine + tasks[:1] * (per_process - len(mine))
+
+
 def evaluate(backend, tokenizer, tasks: list[dict], max_new_tokens: int, world: Dist, template: str = "auto",
              batch_size: int = 32) -> dict:
     """Greedy accuracy and format rate on `tasks`, sharded over processes and summed."""
-    mine = tasks[world.rank::world.world_size]
-    # every process makes the same generate calls (FSDP2 forwards are collective): pad with a task, ignore it
-    per_process = -(-len(tasks) // world.world_size)
-    padded = mine + tasks[:1] * (per_process - len(mine))
+    mine, padded = shard_tasks(tasks, world)
     correct = well_formed = length = 0.0
     for i in range(0, len(padded), batch_size):
         chunk = padded[i:i + batch_size]

@@ -132,9 +132,7 @@ def check_args(args: Args) -> None:
 
 def sampled_scores(backend, tokenizer, tasks: list[dict], args: Args, world: common.Dist) -> dict:
     """Accuracy of every sampled completion, and pass@k for k = 1, 2, 4, ... up to --samples."""
-    mine = tasks[world.rank::world.world_size]
-    per_process = -(-len(tasks) // world.world_size)
-    padded = mine + tasks[:1] * (per_process - len(mine))  # every process makes the same generate calls
+    mine, padded = common.shard_tasks(tasks, world)
     batch = max(1, args.batch_size // args.samples)
     ks = sorted({2**i for i in range(int(math.log2(args.samples)) + 1)} | {args.samples})
     totals = [0.0] * (1 + len(ks))

@@ -1503,6 +1503,20 @@ def intact_checkpoint(checkpoint: Path) -> dict:
     return load_trainer_state(checkpoint)
 
 
+def newest_intact_checkpoint(checkpoints: list[Path]) -> tuple[Path, dict] | None:
+    """The newest of `checkpoints` (oldest first) whose files all read back, and its trainer state; a damaged
+    one is skipped with a line saying so. None if every one is damaged."""
+    for checkpoint in reversed(checkpoints):
+        try:
+            return checkpoint, intact_checkpoint(checkpoint)
+        except ConfigError:
+            raise
+        except Exception as err:  # truncated or missing files: the checkpoint before it is intact
+            print(f"warning: {checkpoint} is damaged ({type(err).__name__}: {str(err)[:100]}); trying the one "
+                  f"before it", file=sys.stderr)
+    return None
+
+
 def find_checkpoint(path: str) -> tuple[Path, dict]:
     """--resume: the newest intact checkpoint of a run folder (a damaged newer one is skipped, with a line
     saying so), or that checkpoint folder itself; and its trainer state. An older checkpoint than the
@@ -1517,15 +1531,10 @@ def find_checkpoint(path: str) -> tuple[Path, dict]:
         raise ConfigError(f"--resume={path!r} is not allowed: the run's newest checkpoint is {found[-1].name}; "
                           f"resuming an older one would fork its history. To branch from it, start a new run "
                           f"with --model {path}")
-    for checkpoint in reversed(found):
-        try:
-            return checkpoint, intact_checkpoint(checkpoint)
-        except ConfigError:
-            raise
-        except Exception as err:  # truncated or missing files: the checkpoint before it is intact
-            print(f"warning: {checkpoint} is damaged ({type(err).__name__}: {str(err)[:100]}); trying the one "
-                  f"before it", file=sys.stderr)
-    raise ConfigError(f"--resume={path!r} is not allowed: every checkpoint in {run_dir} is damaged")
+    newest = newest_intact_checkpoint(found)
+    if newest is None:
+        raise ConfigError(f"--resume={path!r} is not allowed: every checkpoint in {run_dir} is damaged")
+    return newest
 
 
 def typed_flags(argv: list[str]) -> set[str]:

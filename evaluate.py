@@ -102,13 +102,9 @@ def resolve_target(target: str) -> tuple[str, dict, int | None]:
         except (OSError, ValueError, AssertionError):
             raise common.ConfigError(f"target={target!r}: {run_dir}/args.json is not a JSON object") from None
         if path == run_dir:  # a run folder: its newest checkpoint that reads back
-            for checkpoint in reversed(common.complete_checkpoints(run_dir)):
-                try:
-                    common.intact_checkpoint(checkpoint)
-                    return str(checkpoint), saved, common.checkpoint_step(checkpoint)
-                except Exception as err:
-                    print(f"warning: {checkpoint} is damaged ({type(err).__name__}); trying the one before it",
-                          file=sys.stderr)
+            newest = common.newest_intact_checkpoint(common.complete_checkpoints(run_dir))
+            if newest is not None:
+                return str(newest[0]), saved, common.checkpoint_step(newest[0])
             raise common.ConfigError(f"target={target!r} is not allowed: the run has no intact checkpoint-<step> "
                                      f"folder (a run saves one every --save-every steps and at its end)")
         common.check_model_folder(str(path), "target")

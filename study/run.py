@@ -17,7 +17,6 @@ where it stopped: a finished run is skipped, an unfinished one resumes from its 
 
 from __future__ import annotations
 
-import json
 import shlex
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+from plot import read_rows  # noqa: E402
 
 # What every run of a scale shares. Paper: README "The paper's setup".
 PAPER = dict(model="Qwen/Qwen2.5-1.5B-Instruct", dataset="Jiayi-Pan/Countdown-Tasks-3to4", max_new_tokens=1024,
@@ -149,8 +149,7 @@ def run_state(out_dir: Path, variant: str, num_steps: int) -> tuple[str, Path | 
     """`finished` (its metrics reached num_steps), `resumable` (a checkpoint to go on from) or `new`."""
     folders = sorted(out_dir.glob(f"{variant}__*"), key=lambda p: p.stat().st_mtime) if out_dir.is_dir() else []
     for folder in reversed(folders):
-        steps = [json.loads(line).get("step", 0) for line in (folder / "metrics.jsonl").read_text().splitlines()
-                 if line.strip().endswith("}")] if (folder / "metrics.jsonl").is_file() else []
+        steps = [row["step"] for row in read_rows(folder)] if (folder / "metrics.jsonl").is_file() else []
         if steps and max(steps) >= num_steps:
             return "finished", folder
         if common.complete_checkpoints(folder):
@@ -164,8 +163,7 @@ def summary_table(out_dir: Path) -> str:
     lines = ["| run | steps | eval acc step 0 | final | best | first step >= 50% | entropy | length | s/step | wall |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for folder in sorted(p for p in out_dir.glob("*__*") if (p / "metrics.jsonl").is_file()):
-        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()
-                if line.strip().endswith("}")]
+        rows = read_rows(folder)
         evals = [(r["step"], r["charts/eval_accuracy"]) for r in rows if "charts/eval_accuracy" in r]
         train = [r for r in rows if r["step"] >= 1]
         if not evals or not train:

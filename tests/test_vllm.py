@@ -82,3 +82,22 @@ def test_an_engine_per_torchrun_process_follows_the_sharded_weights(small_model_
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["time/weight_sync"] > 0 for r in rows)
     assert all(r["charts/vllm_logprob_diff"] < GAP for r in rows), [r["charts/vllm_logprob_diff"] for r in rows]
+
+
+def test_evaluate_scores_the_same_greedy_completions_with_vllm(bundled_dir):
+    """evaluate.py --backend vllm: the engine's greedy completions are the trainer's (fp32 on both sides
+    here), so every greedy number matches --backend hf; sampled scores come out as probabilities."""
+    flags = ["evaluate.py", bundled_dir, "--size", "4", "--max-new-tokens", "16", "--task-min-numbers", "2",
+             "--task-max-numbers", "2", "--task-max-value", "20", "--task-operators", "+"]
+    scored = {}
+    for backend in ("hf", "vllm"):
+        extra = ["--backend", "vllm", "--vllm-kv-cache-gib", "1", "--samples", "2"] if backend == "vllm" else []
+        result = run(flags + extra)
+        assert result.returncode == 0, result.stderr[-3000:]
+        scored[backend] = json.loads(result.stdout.strip().splitlines()[-1])
+    hf, vllm = scored["hf"], scored["vllm"]
+    assert vllm["tasks"] == hf["tasks"] == 4
+    assert 0 < hf["response_length"] <= 16
+    for key in ("greedy_accuracy", "format_rate", "response_length"):
+        assert vllm[key] == pytest.approx(hf[key], abs=1e-9), key
+    assert 0 <= vllm["sampled_accuracy"] <= vllm["pass@2"] <= 1

@@ -87,7 +87,7 @@ def test_an_engine_per_torchrun_process_follows_the_sharded_weights(small_model_
 def test_evaluate_scores_the_same_greedy_completions_with_vllm(bundled_dir):
     """evaluate.py --backend vllm: the engine's greedy completions are the trainer's (fp32 on both sides
     here), so every greedy number matches --backend hf; sampled scores come out as probabilities."""
-    flags = ["evaluate.py", bundled_dir, "--size", "4", "--max-new-tokens", "16", "--task-min-numbers", "2",
+    flags = ["evaluate.py", bundled_dir, "--size", "4", "--test-size", "64", "--max-new-tokens", "16", "--task-min-numbers", "2",
              "--task-max-numbers", "2", "--task-max-value", "20", "--task-operators", "+"]
     scored = {}
     for backend in ("hf", "vllm"):

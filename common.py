@@ -1075,37 +1075,58 @@ def micro_batches(rollout: "Rollout", rows: torch.Tensor, micro_batch_size: int,
                   world: Dist | None = None) -> list[MicroBatch]:
     """`rows` in micro-batches of similar lengths (sorted, longest first), each cut to its own longest
     prompt and completion, so that little compute goes to padding: `micro_batch_size` rows each, or, with
-    `max_tokens`, as many rows as fit in that many padded tokens (verl's use_dynamic_bsz). With a token
-    budget every process gets as many micro-batches as the process that needs most (FSDP2's forwards are
-    collective). The loss must not depend on the split: the scripts weight each micro-batch by its rows
+    `max_tokens`, the fewest micro-batches of at most that many padded tokens, balanced so that the largest
+    is as small as it can be (verl's use_dynamic_bsz; a greedy fill would leave e.g. 14 rows and 2). With a
+    token budget every process gets as many micro-batches as the process that needs most (FSDP2's forwards
+    are collective). The loss must not depend on the split: the scripts weight each micro-batch by its rows
     (sample-level) or divide by the whole batch's token count (token-level)."""
     device = rollout.completion_mask.device
     rows = rows.cpu()
     prompt_len = rollout.prompt_mask[rows.to(device)].sum(-1).cpu()
     completion_len = rollout.completion_mask[rows.to(device)].sum(-1).cpu()
-    order = rows[torch.argsort(completion_len * 65536 + prompt_len, descending=True, stable=True)]
+    order = rows[torch.argsort(completion_len * 65536 + prompt_len, descending=True, stable=True)].tolist()
     lengths = {int(r): (int(p), int(c)) for r, p, c in zip(rows.tolist(), prompt_len.tolist(), completion_len.tolist())}
-    groups: list[list[int]] = []
     if not max_tokens:
-        groups = [order[i:i + micro_batch_size].tolist() for i in range(0, len(order), micro_batch_size)]
+        groups = [order[i:i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
     else:
-        for r in order.tolist():
-            p, c = lengths[r]
-            if groups:
-                widest_p = max(p, *(lengths[x][0] for x in groups[-1]))  # completions come longest first
-                if (len(groups[-1]) + 1) * (widest_p + lengths[groups[-1][0]][1]) <= max_tokens:
-                    groups[-1].append(r)
-                    continue
-            groups.append([r])
+        groups = _fill(order, lengths, max_tokens)
+        count = len(groups)
         if world is not None and world.enabled:
-            needed = torch.tensor([len(groups)], device=world.device)
+            needed = torch.tensor([count], device=world.device)
             dist.all_reduce(needed, op=dist.ReduceOp.MAX)
-            while len(groups) < needed.item():  # split the group with the most rows
-                largest = max(range(len(groups)), key=lambda i: len(groups[i]))
-                half = groups[largest][:len(groups[largest]) // 2], groups[largest][len(groups[largest]) // 2:]
-                groups[largest:largest + 1] = list(half)
+            count = int(needed.item())
+        low, high = 1, max_tokens  # the smallest cap on padded tokens that needs no more than `count`
+        while low < high:
+            mid = (low + high) // 2
+            low, high = (low, mid) if len(_fill(order, lengths, mid)) <= count else (mid + 1, high)
+        groups = _fill(order, lengths, low)
+        while len(groups) < count:  # a process with shorter rows: split its largest micro-batch
+            largest = max(range(len(groups)), key=lambda i: _padded(groups[i], lengths))
+            half = len(groups[largest]) // 2
+            groups[largest:largest + 1] = [groups[largest][:half], groups[largest][half:]]
     return [MicroBatch(torch.tensor(g, device=device), max(lengths[r][0] for r in g), max(lengths[r][1] for r in g))
             for g in groups]
+
+
+def _padded(group: list[int], lengths: dict) -> int:
+    """Padded tokens of these rows as one micro-batch: rows x (widest prompt + longest completion)."""
+    return len(group) * (max(lengths[r][0] for r in group) + max(lengths[r][1] for r in group))
+
+
+def _fill(order: list[int], lengths: dict, cap: int) -> list[list[int]]:
+    """Rows (longest completion first) into consecutive micro-batches of at most `cap` padded tokens (a row
+    over it alone): the fewest such micro-batches, since a micro-batch only grows as it takes more rows."""
+    groups: list[list[int]] = []
+    widest = longest = 0  # of the last micro-batch: its widest prompt, and its first row's completion
+    for r in order:
+        p, c = lengths[r]
+        if groups and (len(groups[-1]) + 1) * (max(widest, p) + longest) <= cap:
+            groups[-1].append(r)
+            widest = max(widest, p)
+        else:
+            groups.append([r])
+            widest, longest = p, c
+    return groups
 
 
 def over_micro_batches(fn, rollout: Rollout, micro_batch_size: int):

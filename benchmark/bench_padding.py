@@ -10,6 +10,7 @@ One forward + backward of the log-prob pass with a sample-level loss over the wh
 Llama with SmolLM2's vocabulary; the gradients of the three must agree. Prints one JSON line per setting.
 
     python benchmark/bench_padding.py            # 64 completions, lengths uniform in 20..512, 2 repeats
+    python benchmark/bench_padding.py --max-tokens 16384 --repeats 0   # how a budget splits them, no timing
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, help="timed passes per setting (0: token counts only)")
     parser.add_argument("--out", default="", help="also append the JSON lines to this file")
     a = parser.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -81,19 +82,21 @@ def main() -> int:
         "packed": common.micro_batches(rollout, rows, a.micro_batch_size, a.max_tokens),
     }
     useful = int(rollout.prompt_mask.sum() + rollout.completion_mask.sum())
-    results, reference = {}, None
+    results = {name: {"setting": name, "micro_batches": len(mbs), "rows": [len(mb.idx) for mb in mbs],
+                      "processed_tokens": sum(mb.padded_tokens for mb in mbs),
+                      "largest_micro_batch_tokens": max(mb.padded_tokens for mb in mbs), "useful_tokens": useful}
+               for name, mbs in settings.items()}
+    reference = None
     for _ in range(a.repeats):  # interleaved, so a slow moment of the machine hits every setting
         for name, micro_batches in settings.items():
             seconds, grad = update(model, rollout, micro_batches)
             reference = grad if reference is None else reference
-            best = results.get(name, {}).get("seconds", float("inf"))
-            results[name] = {"setting": name, "micro_batches": len(micro_batches),
-                             "processed_tokens": sum(mb.padded_tokens for mb in micro_batches), "useful_tokens": useful,
-                             "seconds": round(min(best, seconds), 2),
-                             "max_grad_diff": float((grad - reference).abs().max())}
+            results[name]["seconds"] = round(min(results[name].get("seconds", float("inf")), seconds), 2)
+            results[name]["max_grad_diff"] = float((grad - reference).abs().max())
     for r in results.values():
         r["padding_waste"] = round(1 - r["useful_tokens"] / r["processed_tokens"], 3)
-        r["speedup_vs_rectangle"] = round(results["rectangle"]["seconds"] / r["seconds"], 2)
+        if a.repeats:
+            r["speedup_vs_rectangle"] = round(results["rectangle"]["seconds"] / r["seconds"], 2)
         line = json.dumps({**r, "sequences": a.sequences, "lengths": f"{a.min_length}..{a.max_length}",
                            "prompt_tokens": a.prompt, "hidden": a.hidden, "layers": a.layers,
                            "max_tokens": a.max_tokens, "threads": torch.get_num_threads()})

@@ -159,7 +159,7 @@ def assert_same_update_for_any_split(algo, model_dir, tmp_path, split_micro_batc
         split = run_update(algo, model_dir, tmp_path / f"split-fsdp{fsdp}.pt", nproc=2,
                            micro_batch_size=split_micro_batch_size, fsdp=fsdp, **flags)
         torch.testing.assert_close(split, whole, atol=2e-6, rtol=1e-4, msg=lambda m: f"fsdp={fsdp}: {m}")
-        # micro-batches by a budget of 15 padded tokens: rank 0 needs 4, rank 1 only 3 (and splits one)
+        # micro-batches by a budget of 15 padded tokens: rank 0 needs 4, rank 1 only 3 (and balances its rows over 4)
         packed = run_update(algo, model_dir, tmp_path / f"packed-fsdp{fsdp}.pt", nproc=2, micro_batch_size=8,
                             max_tokens_per_micro_batch=15, fsdp=fsdp, **flags)
         torch.testing.assert_close(packed, whole, atol=2e-6, rtol=1e-4, msg=lambda m: f"packed, fsdp={fsdp}: {m}")

@@ -229,6 +229,36 @@ def test_chunked_logprobs_match_the_full_vocabulary_pass(temperature, entropy_gr
     assert common.chunked_head_supported(model)
 
 
+def test_a_token_budget_balances_micro_batches_instead_of_leaving_a_small_last_one():
+    """16 rows of one length under a budget of 14 rows: a greedy fill gives 14 + 2 (a GPU idles on the 2);
+    the split is 8 + 8. On random lengths the largest micro-batch is the smallest any contiguous split of
+    the sorted rows into that many micro-batches achieves (checked by enumerating them)."""
+    import itertools
+    import random
+
+    equal = synthetic_rollout(batch_size=16, completion_len=5)
+    equal.completion_mask[:] = 1
+    equal.prompt_mask[:] = 1
+    split = common.micro_batches(equal, torch.arange(16), 16, max_tokens=14 * 11)
+    assert [len(mb.idx) for mb in split] == [8, 8]
+    rng = random.Random(0)
+    for trial in range(30):
+        n, width = rng.randint(2, 9), 12
+        rollout = synthetic_rollout(batch_size=n, prompt_len=6, completion_len=width, seed=trial)
+        rollout.completion_mask[:] = torch.tensor([[1] * k + [0] * (width - k) for k in
+                                                   (rng.randint(1, width) for _ in range(n))])
+        budget = rng.randint(18, 18 * n)
+        found = common.micro_batches(rollout, torch.arange(n), n, max_tokens=budget)
+        order = torch.cat([mb.idx for mb in found]).tolist()
+        assert sorted(order) == list(range(n))
+        padded = [mb.padded_tokens for mb in found]
+        assert all(p <= budget or len(mb.idx) == 1 for p, mb in zip(padded, found))
+        best = min(max(common.micro_batches(rollout, torch.tensor(order[a:b]), n)[0].padded_tokens
+                       for a, b in zip((0,) + cuts, cuts + (n,)))
+                   for cuts in itertools.combinations(range(1, n), len(found) - 1))
+        assert max(padded) == best, (trial, padded, best)
+
+
 def test_micro_batches_group_similar_lengths_within_a_token_budget():
     rollout = synthetic_rollout(batch_size=8)  # completion lengths 1 4 7 3 6 2 5 1, prompts 6 5 4 6 5 4 6 5
     rows = torch.arange(8)

@@ -1081,9 +1081,10 @@ def micro_batches(rollout: "Rollout", rows: torch.Tensor, micro_batch_size: int,
     are collective). The loss must not depend on the split: the scripts weight each micro-batch by its rows
     (sample-level) or divide by the whole batch's token count (token-level)."""
     device = rollout.completion_mask.device
+    on_device = rows.to(device)
+    prompt_len = rollout.prompt_mask[on_device].sum(-1).cpu()
+    completion_len = rollout.completion_mask[on_device].sum(-1).cpu()
     rows = rows.cpu()
-    prompt_len = rollout.prompt_mask[rows.to(device)].sum(-1).cpu()
-    completion_len = rollout.completion_mask[rows.to(device)].sum(-1).cpu()
     order = rows[torch.argsort(completion_len * 65536 + prompt_len, descending=True, stable=True)].tolist()
     lengths = {int(r): (int(p), int(c)) for r, p, c in zip(rows.tolist(), prompt_len.tolist(), completion_len.tolist())}
     if not max_tokens:

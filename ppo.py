@@ -36,21 +36,22 @@ class Args:
     """name of this experiment; the run folder is `<runs_dir>/<exp_name>__<seed>__<unix time>`"""
     seed: int = 1
     """seed of the data order, sampling and initialisation"""
-    model: str = common.BUNDLED_MODEL
-    """`bundled` (SmolLM2-135M-Instruct, offline), a local HF folder, or a hub id (Qwen/Qwen2.5-1.5B-Instruct)"""
+    model: str = common.WARM_MODEL
+    """`bundled-warm` (SmolLM2-135M-Instruct after a format-only warm start, made once), `bundled` (untrained: it
+    never writes a well-formed answer), a local HF folder, or a hub id (Qwen/Qwen2.5-1.5B-Instruct)"""
     dataset: str = "generated"
     """`generated` (offline, solvable tasks), a .jsonl/.parquet file with nums and target, or a hub id (Jiayi-Pan/Countdown-Tasks-3to4)"""
-    num_steps: int = 200
+    num_steps: int = 30
     """training steps (one generation batch each)"""
 
     # The algorithm's hyper-parameters (the ones the paper varies)
-    prompts_per_step: int = 64
+    prompts_per_step: int = 32
     """prompts per step over all processes (64 x 1 = GRPO's default 8 x 8 completions per step)"""
     group_size: int = 1
     """completions sampled per prompt (verl's rollout.n); PPO needs no group, the critic is its baseline"""
-    learning_rate: float = 1e-6
+    learning_rate: float = 3e-5
     """actor AdamW learning rate (paper 3.2: 1e-6 is stable, larger learns faster and fluctuates)"""
-    critic_learning_rate: float = 1e-5
+    critic_learning_rate: float = 1e-4
     """critic AdamW learning rate"""
     critic_warmup_steps: int = 0
     """first steps in which only the critic learns (the actor waits for useful values)"""
@@ -76,14 +77,14 @@ class Args:
     """c2 of eq. 3 (entropy bonus, eq. 4-5); paper 3.1: a bonus explores more but lowered accuracy"""
     update_epochs: int = 1
     """passes over each generation batch"""
-    num_minibatches: int = 4
+    num_minibatches: int = 2
     """optimizer steps per pass, each on 1/N of the batch (verl's ppo_mini_batch_size = prompts-per-step / N). After
     the first, pi_theta has moved from pi_old and clipping acts; 1 epoch of 1 minibatch is on-policy: ratio 1, no clipping"""
     max_grad_norm: float = 1.0
     """gradient clipping norm (actor and critic separately)"""
 
     # Generation, reward and data
-    max_new_tokens: int = 256
+    max_new_tokens: int = 48
     """longest completion; longer ones are cut and marked truncated"""
     temperature: float = 1.0
     """sampling temperature (log-probs are taken at the same temperature)"""
@@ -95,17 +96,17 @@ class Args:
     """reward of a correct answer"""
     prompt_template: Literal["auto", "chat", "base"] = "auto"
     """`auto`: the tokenizer's chat template when it has one, else TinyZero's plain base-model template"""
-    test_size: int = 1024
+    test_size: int = 128
     """held-out tasks never trained on: the last rows of a file; of Jiayi-Pan/Countdown-Tasks-3to4, TinyZero's (the rows after its 327,680 training rows)"""
     eval_size: int = 128
     """how many of the held-out tasks each greedy evaluation uses (0: no evaluation, not even at step 0 and the end)"""
-    task_min_numbers: int = 3
+    task_min_numbers: int = 2
     """generated tasks: fewest numbers per task"""
-    task_max_numbers: int = 4
+    task_max_numbers: int = 2
     """generated tasks: most numbers per task"""
-    task_max_value: int = 99
+    task_max_value: int = 20
     """generated tasks: numbers are drawn from 1..task_max_value"""
-    task_operators: str = "+-*/"
+    task_operators: str = "+-"
     """generated tasks: operators the hidden solution may use (`+-` makes an easy task for small models)"""
 
     # Systems: devices, precision, memory, vLLM, sharding
@@ -145,9 +146,9 @@ class Args:
     """also log to Weights & Biases (needs `pip install wandb`)"""
     wandb_project: str = "rl-countdown"
     """the W&B project, with --track"""
-    eval_every: int = 25
+    eval_every: int = 10
     """greedy evaluation on the held-out split every N steps (0: only at the end)"""
-    save_every: int = 100
+    save_every: int = 10
     """save a checkpoint (HF model + trainer state for --resume) every N steps (0: only at the end)"""
     keep_checkpoints: int = 2
     """keep only the newest N checkpoints (0: keep all)"""
@@ -207,6 +208,15 @@ def token_rewards(scores: torch.Tensor, logprobs, ref_logprobs, mask, beta: floa
     rewards = torch.where(mask.bool(), -beta * (logprobs - ref_logprobs), 0.0)
     last = (mask.sum(-1).long() - 1).clamp(min=0)
     return rewards.scatter_add(-1, last.unsqueeze(-1), scores.unsqueeze(-1).to(rewards.dtype))
+
+
+def kl_to_reference(logprobs, ref_logprobs, mask) -> torch.Tensor:
+    """Logged only (eq. 8 charges the KL per token in the reward): the k3 estimate of KL(pi || pi_ref),
+    pi_ref/pi - log(pi_ref/pi) - 1 per token, mean over each completion, then over completions, as grpo.py's
+    `losses/kl_ref`, so that the paper's KL panels compare all three algorithms."""
+    log_ratio = (ref_logprobs - logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    per_token = torch.where(mask.bool(), (torch.exp(log_ratio) - log_ratio - 1).clamp(max=10.0), 0.0)  # verl's bound
+    return (per_token.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
 
 
 def gae_advantages(rewards, values, mask, gamma: float, lam: float):
@@ -482,7 +492,9 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             "advantage": (advantages * mask).sum().item(), "advantage_squared": (advantages.pow(2) * mask).sum().item(),
             "value": (old_values * mask).sum().item(), "return": (returns * mask).sum().item(),
             "return_squared": (returns.pow(2) * mask).sum().item(), "error": errors.sum().item(),
-            "error_squared": errors.pow(2).sum().item(), **{f"update/{k}": v for k, v in stats.items()}}, world)
+            "error_squared": errors.pow(2).sum().item(),
+            "kl_ref": kl_to_reference(old_logprobs, ref_logprobs, mask).item() * len(rewards),
+            **{f"update/{k}": v for k, v in stats.items()}}, world)
         n, tokens = totals["sequences"], totals["tokens"]
         adv_mean = totals["advantage"] / tokens  # per token
         return_mean = totals["return"] / tokens
@@ -499,6 +511,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             "charts/value_mean": totals["value"] / tokens,
             "charts/return_mean": return_mean,
             "charts/explained_variance": 1 - error_var / return_var if return_var > 0 else float("nan"),
+            "losses/kl_ref": totals["kl_ref"] / n,
             "charts/learning_rate": scheduler.get_last_lr()[0],
             "charts/tokens_per_second": tokens / step_time,
             "charts/skipped_steps": control.skipped_steps,

@@ -95,10 +95,11 @@ class RunsCode:
 
 
 def test_resume_still_refuses_a_crafted_trainer_state(tmp_path, monkeypatch):
+    write_checkpoint(tmp_path / "checkpoint-1", 1)
+    newest = write_checkpoint(tmp_path / "checkpoint-2", 2)
+    torch.save({"step": 2, "payload": RunsCode()}, newest / common.TRAINER_STATE)
     ran = []
     monkeypatch.setattr(os, "system", lambda *a: ran.append(a))
-    write_checkpoint(tmp_path / "checkpoint-1", 1)
-    torch.save({"step": 2, "payload": RunsCode()}, write_checkpoint(tmp_path / "checkpoint-2", 2) / common.TRAINER_STATE)
     with pytest.raises(common.ConfigError, match="refused to load it"):
         common.find_checkpoint(str(tmp_path))
     assert ran == []

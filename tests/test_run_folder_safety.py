@@ -100,23 +100,38 @@ def test_resume_never_writes_through_symlinks_to_files_outside_the_run_folder(ru
     assert snapshot(outside) == before
 
 
-@pytest.mark.parametrize("name,refused", [
-    (".lock", True), ("metrics.jsonl", True), ("samples.jsonl", True), ("args.json", True),
-    ("args.json.tmp", False), ("metrics.jsonl.tmp", False), ("samples.jsonl.tmp", False),
-    ("checkpoint-2.tmp", True), ("checkpoint-2", True),
-])
-def test_each_symlink_is_refused_or_replaced_and_nothing_outside_changes(name, refused, run, tmp_path):
+@pytest.mark.parametrize("name", [".lock", "metrics.jsonl", "samples.jsonl", "args.json", "args.json.tmp",
+                                  "metrics.jsonl.tmp", "samples.jsonl.tmp", "checkpoint-2.tmp", "checkpoint-2"])
+def test_each_symlink_is_refused_and_nothing_outside_changes(name, run, tmp_path):
     outside = tmp_path / "outside"
     plant_links(run, [name], outside)
     before = snapshot(outside)
-    if refused:
-        with pytest.raises(common.ConfigError, match=f"--resume=.*{name.replace('.', '[.]')}.* symbolic link") as err:
-            resume(run)
-        one_line(err)
-    else:  # a stale temporary file: removed, and a new one made with O_EXCL
+    with pytest.raises(common.ConfigError, match=f"--resume=.*{name.replace('.', '[.]')} is a symbolic link") as err:
         resume(run)
-        assert not os.path.lexists(run / name) and (run / "checkpoint-2").is_dir()
+    one_line(err)
     assert snapshot(outside) == before
+
+
+def test_temporary_files_are_made_anew_never_written_through_a_link(run, tmp_path, tiny_model_dir):
+    """Past the check at --resume (a link made while the run goes on): the writers themselves never follow one."""
+    from transformers import AutoModelForCausalLM
+
+    outside = tmp_path / "outside"
+    names = ["args.json.tmp", "metrics.jsonl.tmp", "samples.jsonl.tmp", "checkpoint-2.tmp"]
+    plant_links(run, names, outside)
+    before = snapshot(outside)
+    common.RunLogger(str(run), grpo.Args(), common.Dist(), "grpo", resume_step=1).close()
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_model_dir), common.load_tokenizer(tiny_model_dir)
+    assert common.save_checkpoint(model, tokenizer, str(run), 2, common.Dist(), state={"step": 2}, final=True)
+    assert snapshot(outside) == before
+    assert not any(os.path.lexists(run / name) for name in names)
+    assert (run / "checkpoint-2" / common.TRAINER_STATE).is_file() and (run / "args.json").is_file()
+    for name in (".lock", "metrics.jsonl"):  # the files a run writes in place: refused
+        (target,) = plant_links(run, [name], tmp_path / f"outside{name}").values()
+        with pytest.raises(common.ConfigError, match="is a symbolic link"):
+            (common.RunDir(str(tmp_path), "x", 1, run / "checkpoint-2", common.Dist()) if name == ".lock" else
+             common.RunLogger(str(run), grpo.Args(), common.Dist(), "grpo"))
+        assert target.read_text() == PRECIOUS
 
 
 def test_a_symlinked_run_folder_or_checkpoint_is_refused(run, tmp_path):
@@ -303,7 +318,7 @@ def huge(p):
     (lambda p: p.write_text("[1, 2]"), "args.json is missing or not a JSON object"),
     (nested, "args.json is missing or not a JSON object"),
     (huge, "args.json is larger than"),
-    (wrong_type, "args.json holds learning_rate='fast', not a float"),
+    (wrong_type, "args.json holds learning_rate='fast', not a number"),
     (lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "num_steps": 1.5})), "num_steps=1.5, not an int"),
 ])
 def test_a_hostile_args_json_is_one_line(damage, message, run):

@@ -7,6 +7,7 @@ import sys
 import pytest
 import tyro
 
+import common
 import grpo
 from conftest import ROOT
 
@@ -57,30 +58,47 @@ def test_a_stopped_study_skips_finished_runs_and_resumes_unfinished_ones(tiny_mo
     assert commands["G2"][2:] == ["--resume", str(folder), "--num-steps", "3"]
     assert "--resume" not in commands["G4"]
     table = study.summary_table(out_dir).splitlines()
-    assert len(table) == 3 and table[2].startswith("| G2 | 2 | ")  # header, rule, the one run
+    assert len(table) == 3 and table[2].startswith("| G2 | 1 | 2 | ")  # header, rule, the one run (1 seed, 2 steps)
 
 
-def test_the_warm_start_never_shows_a_correct_answer():
-    import countdown_reward
+def test_an_orphan_variant_is_replaced_and_a_seed_is_a_run_of_its_own(tiny_model_dir, tmp_path):
+    """A run stopped before its first checkpoint leaves a folder; the study removes it instead of starting a
+    second folder beside it (the figure listed the variant twice); each seed is its own run."""
+    import json
 
-    examples = warm_start.examples(warm_start.Args(), 200)
-    assert len(examples) == 200
-    for ex in examples:
-        text = ex["completion"]
-        assert countdown_reward.is_well_formed(text), text
-        assert not countdown_reward.is_correct(text, ex["nums"], ex["target"]), text
+    out_dir = tmp_path / "cpu" / "group-size"
+    orphan = out_dir / "G2__1__1700000000"
+    orphan.mkdir(parents=True)
+    (orphan / "args.json").write_text(json.dumps({"script": "grpo", "exp_name": "G2", "seed": 1}))
+    (orphan / "metrics.jsonl").write_text(json.dumps({"step": 0, "charts/eval_accuracy": 0.5}) + "\n")
+    args = study.Args(experiment="group-size", scale="cpu", root=str(tmp_path), seeds=(1, 2), only=("G2",))
+    commands = study.run_commands(args, "group-size")
+    assert [label for label, _ in commands] == ["G2 seed 1", "G2 seed 2"] and not orphan.exists()
+    assert [cmd[cmd.index("--seed") + 1] for _, cmd in commands] == ["1", "2"]
 
 
-def test_the_readme_quick_start_trains_even_beside_the_committed_results():
-    """The quick start's study command, in this repository as cloned (whose committed runs count as
-    finished under study/results): it must still launch a GRPO run, not skip it."""
+def test_unknown_variants_are_refused_for_all_experiments_too(tmp_path):
+    for experiment in ("all", "group-size"):
+        with pytest.raises(common.ConfigError, match="--only=.*not allowed"):
+            study.main(study.Args(experiment=experiment, root=str(tmp_path), only=("G3",), dry_run=True))
+
+
+def test_the_summary_wall_time_is_the_logged_time_not_file_dates():
+    rows = [{"step": 0, "time/eval": 30.0}, {"step": 1, "time/step": 50.0}, {"step": 2, "time/step": 40.0,
+                                                                             "time/eval": 30.0}]
+    assert study.wall_minutes(rows) == pytest.approx(150 / 60)
+
+
+def test_the_readme_quick_start_is_the_studys_grpo_run():
+    """The quick start's command is `python grpo.py` without flags, and its defaults are the CPU study's GRPO
+    run (bookkeeping flags aside), so the numbers study/README.md reports are what a newcomer's first run does."""
     import re
-    import shlex
-    import subprocess
 
     quick_start = (ROOT / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
-    (command,) = re.findall(r"^python study/run\.py .*$", quick_start, flags=re.M)
-    result = subprocess.run([sys.executable, *shlex.split(command)[1:], "--dry-run"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert re.search(r"^\$ python grpo\.py .*--num-steps 20", result.stdout, flags=re.M), result.stdout
+    assert re.findall(r"^python grpo\.py$", quick_start, flags=re.M) == ["python grpo.py"]
+    (_, cmd), *_ = study.run_commands(study.Args(experiment="algorithms", only=("grpo",), root="/nonexistent"),
+                                      "algorithms")
+    study_run = vars(tyro.cli(grpo.Args, args=cmd[2:]))
+    bookkeeping = {"runs_dir", "micro_batch_size", "keep_checkpoints", "save_every", "log_samples_every"}
+    assert {k: v for k, v in vars(grpo.Args()).items() if k not in bookkeeping} == \
+        {k: v for k, v in study_run.items() if k not in bookkeeping}

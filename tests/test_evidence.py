@@ -1,0 +1,179 @@
+"""The evidence a skeptic asks for: the constant-answer baselines computed exactly, held-out splits that no
+constant answer does well on, a warm start whose answers ignore the target, and runs that record their code."""
+
+import collections
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+import common
+import countdown_reward
+import grpo
+import ppo
+from conftest import ROOT, read_metrics
+from test_study import load
+
+warm_start = load("warm_start")
+evaluate_script = __import__("evaluate")
+
+RUNG = dict(min_numbers=2, max_numbers=2, max_value=20, operators="+-")
+
+
+def scored_by_the_reward(template, nums, target) -> bool:
+    text = common.template_text(template)
+    for i, n in sorted(enumerate(nums), reverse=True):  # n10 before n1
+        text = text.replace(f"n{i + 1}", str(n))
+    return countdown_reward.is_correct(f"</think>\n<answer> {text} </answer>", nums, target)
+
+
+def test_templates_cover_every_expression_and_score_as_the_reward_does():
+    assert [len(common.expression_templates(k)) for k in (1, 2, 3, 4)] == [1, 8, 192, 7680]
+    rng = random.Random(0)
+    templates = common.expression_templates(3)
+    for _ in range(12):  # random tasks whose target some template reaches, and some no template reaches
+        nums = [rng.randint(1, 12) for _ in range(3)]
+        reached = common.template_value(rng.choice(templates), nums)
+        target = int(reached) if reached and reached.denominator == 1 and rng.random() < 0.5 else rng.randint(1, 99)
+        for t in templates:
+            assert (common.template_value(t, nums) == target) == scored_by_the_reward(t, nums, target), \
+                (common.template_text(t), nums, target)
+
+
+def test_best_constant_and_uniform_guess_by_hand():
+    tasks = [{"nums": [3, 5], "target": 8},    # n1 + n2, n2 + n1
+             {"nums": [9, 4], "target": 5},    # n1 - n2
+             {"nums": [2, 7], "target": 5},    # n2 - n1
+             {"nums": [6, 3], "target": 18},   # n1 * n2, n2 * n1
+             {"nums": [8, 2], "target": 4}]    # n1 / n2
+    baselines = common.constant_baselines(tasks)
+    assert baselines["best_constant"] == pytest.approx(1 / 5)  # no template answers two of them
+    assert baselines["uniform_guess"] == pytest.approx((2 + 1 + 1 + 2 + 1) / 8 / 5)
+    sums = [{"nums": [a, b], "target": a + b} for a, b in [(1, 2), (7, 3), (4, 4)]]
+    assert common.constant_baselines(sums + tasks[1:2])["best_constant"] == pytest.approx(3 / 4)
+    assert common.constant_baselines(sums)["best_constant_template"] == "n1 + n2"
+    three = [{"nums": [2, 3, 4], "target": 20}]  # (n1 + n2) * n3 and its mirror images
+    assert common.constant_baselines(three)["best_constant"] == 1.0
+    assert common.constant_baselines([{"nums": [1, 2, 3, 4, 5], "target": 15}]) is None
+
+
+@pytest.mark.parametrize("operators,best", [("+-", 0.5), ("+-*", 0.34)])
+def test_held_out_splits_are_balanced_so_no_constant_answer_does_well(operators, best):
+    train, test = common.load_countdown("generated", 128, seed=1, **{**RUNG, "operators": operators})
+    shares = collections.Counter(map(common.operator_class, test))
+    assert len(shares) == len(operators) and max(shares.values()) - min(shares.values()) <= 1
+    assert common.constant_baselines(test)["best_constant"] <= best
+    assert not {common.task_key(t) for t in train} & {common.task_key(t) for t in test}
+    # the generator does not under-sample differences (a negative draw used to be rejected: 146 sums, 126)
+    train_shares = collections.Counter(map(common.operator_class, train))
+    assert abs(train_shares["+"] - train_shares["-"]) < 0.1 * len(train)
+
+
+def test_every_evaluation_reports_its_baselines(tiny_model_dir):
+    tokenizer = common.load_tokenizer(tiny_model_dir)
+    model = common.load_model(tiny_model_dir, "cpu", trainable=False)
+    backend = common.make_backend("hf", model, tokenizer)
+    _, test = common.load_countdown("generated", 8, seed=1, **RUNG)
+    details = []
+    scores = common.evaluate(backend, tokenizer, test, 3, common.setup_distributed("cpu"), details=details)
+    assert scores["charts/eval_best_constant"] == 0.5 and scores["charts/eval_uniform_guess"] == 0.1875
+    assert [d["nums"] for d in details] == [t["nums"] for t in test] and all("completion" in d for d in details)
+
+
+def test_warm_start_answers_do_not_depend_on_which_operator_is_right():
+    """On two-number examples the share of `+` answers is the same whether or not the target is the sum:
+    the label carries no information about the right operator (the earlier warm start never used `+` where
+    `+` was right)."""
+    examples = warm_start.examples(warm_start.Args(), 4000, exclude=set())
+    two = [e for e in examples if len(e["nums"]) == 2]
+    plus = lambda e: " + " in e["completion"].split("<answer>")[1]  # noqa: E731
+    is_sum = [e for e in two if e["target"] == sum(e["nums"])]
+    not_sum = [e for e in two if e["target"] != sum(e["nums"])]
+    assert len(is_sum) > 200 and len(not_sum) > 200
+    share = lambda group: sum(map(plus, group)) / len(group)  # noqa: E731
+    assert abs(share(is_sum) - share(not_sum)) < 0.06 and abs(share(two) - 0.25) < 0.04
+    correct = sum(countdown_reward.is_correct(e["completion"], e["nums"], e["target"]) for e in examples)
+    assert 0 < correct < 0.2 * len(examples)  # right by chance only
+    for e in examples:
+        assert countdown_reward.is_well_formed(e["completion"]) and min(e["nums"]) >= warm_start.MIN_VALUE
+        assert f"The target is {e['target']}." in e["completion"]
+
+
+def test_warm_start_never_shows_a_held_out_task():
+    _, held_out = common.load_countdown("generated", 64, seed=1, min_numbers=2, max_numbers=3, max_value=99,
+                                        operators="+-*/")
+    keys = {common.task_key(t) for t in held_out}
+    args = warm_start.Args()
+    unfiltered = warm_start.examples(args, 3000, exclude=set())
+    assert {common.task_key(e) for e in unfiltered} & keys  # the test is able to fail: some collide
+    assert not {common.task_key(e) for e in warm_start.examples(args, 3000, exclude=keys)} & keys
+
+
+def test_warm_start_keeps_folders_it_did_not_write(tiny_model_dir, tmp_path):
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    args = warm_start.Args(out=str(precious), model=tiny_model_dir, num_steps=1, batch_size=2)
+    with pytest.raises(common.ConfigError, match="--out=.*not written by study/warm_start.py"):
+        warm_start.main(args)
+    assert (precious / "notes.txt").read_text() == "keep me"
+    out = tmp_path / "warm"
+    for _ in range(2):  # the second replaces the first, an earlier warm start
+        warm_start.main(warm_start.Args(out=str(out), model=tiny_model_dir, num_steps=1, batch_size=2))
+    assert json.loads((out / warm_start.MARKER).read_text())["num_steps"] == 1
+    common.check_model_folder(str(out))
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["precious", "warm"]
+
+
+def test_evaluate_checks_its_output_paths_before_evaluating(tmp_path):
+    for flag in ("--out", "--details"):
+        result = subprocess.run([sys.executable, "evaluate.py", "bundled", flag, str(tmp_path / "missing" / "x.jsonl")],
+                                cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and flag[2:] in result.stderr and "Traceback" not in result.stderr
+        assert "greedy_accuracy" not in result.stdout
+
+
+def test_evaluate_reports_accuracy_per_operator_class():
+    details = [{"operator_class": "+", "correct": True, "chosen_operators": "+"},
+               {"operator_class": "+", "correct": False, "chosen_operators": "-"},
+               {"operator_class": "-", "correct": False, "chosen_operators": "+"}]
+    table = evaluate_script.by_operator_class(details)
+    assert table == {"+": {"tasks": 2, "accuracy": 0.5, "chosen": {"+": 1, "-": 1}},
+                     "-": {"tasks": 1, "accuracy": 0.0, "chosen": {"+": 1}}}
+    assert evaluate_script.answer_operators("x</think>\n<answer> (3 * 4) - 2 </answer>") == "*-"
+    assert evaluate_script.answer_operators("no answer") == "none"
+
+
+def test_a_run_records_its_code_version_and_ppo_logs_kl_to_the_reference(tiny_model_dir, tmp_path):
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = ppo.train(ppo.Args(model=tiny_model_dir, num_steps=1, prompts_per_step=2, max_new_tokens=4,
+                                eval_size=2, test_size=4, runs_dir=str(tmp_path), num_minibatches=1))
+    saved = json.loads(open(f"{result['run_dir']}/args.json").read())
+    (version,) = saved["code_versions"]
+    assert version["commit"] == head and isinstance(version["dirty"], bool)
+    _, rows = read_metrics(tmp_path)
+    assert rows[-1]["losses/kl_ref"] >= 0 and "charts/eval_best_constant" in rows[0]
+
+
+def test_ppo_kl_to_the_reference_is_grpos_estimate():
+    import torch
+
+    torch.manual_seed(0)
+    logprobs, ref = -torch.rand(4, 6) * 3, -torch.rand(4, 6) * 3
+    mask = torch.tensor([[1] * 6, [1] * 3 + [0] * 3, [1] * 1 + [0] * 5, [1] * 5 + [0]], dtype=torch.float32)
+    ref[mask == 0] = 1e4  # garbage in padded positions
+    expected = grpo.sequence_mean(grpo.kl_k3(logprobs, ref), mask)
+    assert ppo.kl_to_reference(logprobs, ref, mask).item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_sizes_are_bounded_by_what_fits_with_the_reason(tmp_path):
+    for flags in (["--samples", "1000000000"], ["--test-size", "1000000000"]):
+        result = subprocess.run([sys.executable, "evaluate.py", "bundled", *flags], cwd=ROOT, capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 2 and flags[0] in result.stderr and "Traceback" not in result.stderr
+    import dataclasses
+
+    with pytest.raises(common.ConfigError, match="--test-size=1000000000 is not allowed: in \\[1, 100000\\]"):
+        grpo.check_args(dataclasses.replace(grpo.Args(), test_size=10**9, eval_size=1), 1)

@@ -62,13 +62,14 @@ class Args:
     clip_eps: float = 0.2
     """epsilon of the clipped ratio (eq. 7)"""
     beta: float = 0.001
-    """KL coefficient of the per-token penalty in the reward (eq. 8; verl's default). 0 skips the reference model"""
+    """KL coefficient of the per-token penalty in the reward (eq. 8; verl's `kl_ctrl.kl_coef` default, which acts only
+    with `use_kl_in_reward=true`). 0 skips the reference model"""
     gamma: float = 1.0
     """discount factor of GAE (eq. 21-22)"""
     lam: float = 1.0
     """GAE lambda (eq. 21): 1 gives Monte Carlo returns minus values, 0 the one-step TD error"""
     whiten_advantages: bool = True
-    """normalise advantages to mean 0, std 1 over the batch (all processes), as verl and TRL do"""
+    """normalise advantages to mean 0, std 1 over the batch (all processes), as verl's GAE does"""
     clip_value: float = 0.2
     """epsilon of the clipped value loss (eq. 26)"""
     vf_coef: float = 0.5

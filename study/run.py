@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import shlex
 import shutil
@@ -41,8 +42,8 @@ from plot import read_rows  # noqa: E402
 PAPER = dict(model="Qwen/Qwen2.5-1.5B-Instruct", dataset="Jiayi-Pan/Countdown-Tasks-3to4", max_new_tokens=1024,
              learning_rate=1e-6, num_steps=520, eval_every=20, eval_size=256, test_size=1024, save_every=20)
 PAPER_SCRIPT = {  # each algorithm at the paper's values
-    "ppo": dict(prompts_per_step=256, group_size=1, num_minibatches=2, critic_learning_rate=1e-5, beta=0.001,
-                micro_batch_size=4),
+    "ppo": dict(prompts_per_step=256, group_size=1, num_minibatches=4, critic_learning_rate=1e-5, beta=0.001,
+                ent_coef=0.001, clip_value=0.5, weight_decay=0.01, micro_batch_size=4),  # TinyZero's (docs/peers.md)
     "grpo": dict(prompts_per_step=256, group_size=8, num_minibatches=4, beta=0.01, micro_batch_size=8),
     "dapo": dict(prompts_per_step=256, group_size=8, num_minibatches=4, clip_low=0.2, clip_high=0.28, beta=0.0,
                  dynamic_sampling=False, micro_batch_size=8),
@@ -182,6 +183,30 @@ def run_state(out_dir: Path, variant: str, num_steps: int, seed: int = 1) -> tup
     return "new", None
 
 
+FINAL_EVAL = "final_eval.jsonl"
+"""evaluate.py's record of a finished run's last checkpoint: scores, baselines, accuracy per operator class"""
+FINAL_DETAILS = "final_eval_details.jsonl"
+"""one line per held-out task: the greedy completion, the right and the chosen operators (git keeps both)"""
+
+
+def final_evaluations(args: Args, experiment: str) -> list[tuple[str, list[str]]]:
+    """evaluate.py on each finished run without its FINAL_EVAL: the per-operator table behind the study's
+    claims about what the policy chooses (a run's last checkpoint is kept for this)."""
+    out_dir = Path(args.root) / args.scale / experiment
+    if args.dry_run or not out_dir.is_dir():
+        return []
+    commands = []
+    for folder in sorted(p for p in out_dir.glob("*__*") if (p / "args.json").is_file()):
+        if (folder / FINAL_EVAL).is_file() or not common.complete_checkpoints(folder):
+            continue
+        num_steps = common.read_json_object(folder / "args.json").get("num_steps")
+        if steps_logged(folder) >= (num_steps or 1):
+            commands.append((f"evaluate {folder.name}", [sys.executable, str(ROOT / "evaluate.py"), str(folder),
+                                                         "--out", str(folder / FINAL_EVAL),
+                                                         "--details", str(folder / FINAL_DETAILS)]))
+    return commands
+
+
 def in_use(folder: Path) -> bool:
     """Does a live process hold the run's lock (a run still going)?"""
     try:
@@ -233,6 +258,18 @@ def summary_table(out_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def operator_table(out_dir: Path) -> str:
+    """From each run's FINAL_EVAL: held-out greedy accuracy per operator class of the right answer, and which
+    operators the policy chose for it. A policy that reads the target chooses differently per class."""
+    lines = ["| run | right operator | tasks | accuracy | chosen (count) |", "|---|---|---|---|---|"]
+    for folder in sorted(out_dir.glob(f"*__*/{FINAL_EVAL}")):
+        rows = [json.loads(line) for line in folder.read_text().splitlines() if line.strip()]
+        for cls, entry in (rows[-1].get("by_operator_class") or {}).items() if rows else ():
+            chosen = ", ".join(f"`{op}` {n}" for op, n in sorted(entry["chosen"].items(), key=lambda kv: -kv[1]))
+            lines.append(f"| {folder.parent.name} | `{cls}` | {entry['tasks']} | {entry['accuracy']:.3f} | {chosen} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def shown(cmd: list[str]) -> str:
     """The command as a person would type it: `python grpo.py ...` from the repository root."""
     script = Path(cmd[1])
@@ -253,7 +290,8 @@ def main(args: Args) -> int:
     common.require(set(args.only) <= known, "only", list(args.only), f"variants of {args.experiment}: {sorted(known)}")
     if args.summary:
         for experiment in experiments:
-            print(f"# {experiment}\n\n{summary_table(Path(args.root) / args.scale / experiment)}\n")
+            out_dir = Path(args.root) / args.scale / experiment
+            print(f"# {experiment}\n\n{summary_table(out_dir)}\n\n{operator_table(out_dir)}\n")
         return 0
     for experiment in experiments:
         out_dir = Path(args.root) / args.scale / experiment
@@ -263,12 +301,13 @@ def main(args: Args) -> int:
         try:
             with lock:
                 print(f"# {experiment}: {EXPERIMENTS[experiment][0]}", flush=True)
-                for variant, cmd in run_commands(args, experiment):
-                    print("$ " + shown(cmd), flush=True)
-                    if not args.dry_run and subprocess.run(cmd).returncode != 0:
-                        print(f"study: {experiment}/{variant} failed; run the same command again to continue",
-                              file=sys.stderr)
-                        return 1
+                for listed in (run_commands, final_evaluations):  # the runs, then the finished ones' evaluations
+                    for variant, cmd in listed(args, experiment):
+                        print("$ " + shown(cmd), flush=True)
+                        if not args.dry_run and subprocess.run(cmd).returncode != 0:
+                            print(f"study: {experiment}/{variant} failed; run the same command again to continue",
+                                  file=sys.stderr)
+                            return 1
         except Timeout:
             raise common.ConfigError(f"--root={args.root!r} is not allowed: another study is writing "
                                      f"{out_dir} (it holds {out_dir / '.study.lock'})") from None

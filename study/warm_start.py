@@ -7,9 +7,11 @@ own (0 of 448 samples), so every reward is equal and GRPO has nothing to learn f
 
 Each example is a task of 2-4 numbers from 21..99 (disjoint from every CPU rung, whose numbers are at
 most 20) and the completion ` The target is T. I will try EXPR.</think>\\n<answer> EXPR </answer>`, where
-EXPR uses the numbers in random order with operators drawn uniformly from --operators. EXPR is right only
-by chance, and which operator it uses is independent of which one is right, so accuracy after the warm
-start is near the uniform-guess rate (evaluate.py prints it beside the accuracy). The held-out tasks of
+EXPR writes the numbers largest first (a convention, so that a difference is never negative) joined left
+to right by operators drawn uniformly from --operators. EXPR is right only by chance, and which operator
+it uses is independent of which one is right, so the model learns the format, not the answer. (With the
+numbers in random order, `+` was right twice as often as `-` on a two-number task, RL reinforced `+` on
+every prompt and the policy collapsed to "always add": study/README.md, pilots.) The held-out tasks of
 the task settings given (--task-* flags, --test-size) are never among the examples.
 
     python study/warm_start.py --out runs/warm_start     # ~4 min on 2 CPU cores
@@ -79,9 +81,11 @@ class Args:
     """held-out split to avoid: operators of its hidden solutions"""
 
 
-def random_expression(nums: list[int], operators: str, rng: random.Random) -> tuple[str, Fraction | None]:
-    """Every number once, in random order, left to right with uniformly drawn operators: (text, value)."""
-    order = rng.sample(nums, len(nums))
+def random_expression(nums: list[int], operators: str, rng: random.Random,
+                      largest_first: bool = False) -> tuple[str, Fraction | None]:
+    """Every number once, left to right with uniformly drawn operators: (text, value). The numbers in random
+    order, or largest first (the warm start's convention: a difference written that way is never negative)."""
+    order = sorted(nums, reverse=True) if largest_first else rng.sample(nums, len(nums))
     expr, value = str(order[0]), Fraction(order[0])
     for i, n in enumerate(order[1:], start=1):
         op = rng.choice(operators)
@@ -103,7 +107,7 @@ def examples(args: Args, count: int, exclude: set) -> list[dict]:
         task = {"nums": nums, "target": int(target)}
         if common.task_key(task) in exclude:
             continue
-        expr, _ = random_expression(nums, args.operators, rng)
+        expr, _ = random_expression(nums, args.operators, rng, largest_first=True)
         text = f"</think>\n<answer> {expr} </answer>"
         assert countdown_reward.is_well_formed(text) and countdown_reward.uses_numbers_exactly(expr, nums)
         out.append({**task, "completion": f" The target is {task['target']}. I will try {expr}.{text}"})

@@ -59,6 +59,11 @@ def test_a_stopped_study_skips_finished_runs_and_resumes_unfinished_ones(tiny_mo
     assert "--resume" not in commands["G4"]
     table = study.summary_table(out_dir).splitlines()
     assert len(table) == 3 and table[2].startswith("| G2 | 1 | 2 | ")  # header, rule, the one run (1 seed, 2 steps)
+    # a finished run is evaluated once more for the per-operator table, then never again
+    (_, evaluate), = study.final_evaluations(args, "group-size")
+    assert evaluate[2] == str(folder) and evaluate[evaluate.index("--details") + 1].endswith(study.FINAL_DETAILS)
+    (folder / study.FINAL_EVAL).write_text("{}")
+    assert study.final_evaluations(args, "group-size") == []
 
 
 def test_an_orphan_variant_is_replaced_and_a_seed_is_a_run_of_its_own(tiny_model_dir, tmp_path):
@@ -102,3 +107,17 @@ def test_the_readme_quick_start_is_the_studys_grpo_run():
     bookkeeping = {"runs_dir", "micro_batch_size", "keep_checkpoints", "save_every", "log_samples_every"}
     assert {k: v for k, v in vars(grpo.Args()).items() if k not in bookkeeping} == \
         {k: v for k, v in study_run.items() if k not in bookkeeping}
+
+
+def test_the_operator_table_reads_each_runs_final_evaluation(tmp_path):
+    import json
+
+    run = tmp_path / "grpo__1__1700000000"
+    run.mkdir()
+    record = {"greedy_accuracy": 0.75, "by_operator_class": {
+        "+": {"tasks": 2, "accuracy": 1.0, "chosen": {"+": 2}},
+        "-": {"tasks": 2, "accuracy": 0.5, "chosen": {"+": 1, "-": 1}}}}
+    (run / study.FINAL_EVAL).write_text(json.dumps(record) + "\n")
+    lines = study.operator_table(tmp_path).splitlines()
+    assert lines[2:] == ["| grpo__1__1700000000 | `+` | 2 | 1.000 | `+` 2 |",
+                         "| grpo__1__1700000000 | `-` | 2 | 0.500 | `+` 1, `-` 1 |"]

@@ -63,7 +63,7 @@ class Args:
     """generated tasks: most numbers per task"""
     task_max_value: int = 20
     """generated tasks: numbers are drawn from 1..task_max_value"""
-    task_operators: str = "+-"
+    task_operators: str = "+*"
     """generated tasks: operators the hidden solution may use"""
     prompt_template: Literal["auto", "chat", "base"] = "auto"
     """`auto`: the tokenizer's chat template when it has one, else TinyZero's plain base-model template"""

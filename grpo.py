@@ -87,7 +87,7 @@ class Args:
     """generated tasks: most numbers per task"""
     task_max_value: int = 20
     """generated tasks: numbers are drawn from 1..task_max_value"""
-    task_operators: str = "+-"
+    task_operators: str = "+*"
     """generated tasks: operators the hidden solution may use (`+-` makes an easy task for small models)"""
 
     # Systems: devices, precision, memory, vLLM, sharding

@@ -2033,6 +2033,28 @@ def find_checkpoint(path: str) -> tuple[Path, dict]:
     return newest
 
 
+def newest_run(resume: str, runs_dir: str, exp_name: str) -> str:
+    """--resume latest (in --runs-dir) or --resume FOLDER_OF_RUNS: the newest run of --exp-name there that has a
+    complete checkpoint (by the start time in its name), said in one line; any other value is returned as is."""
+    folder = Path(runs_dir if resume == "latest" else resume)
+    a_run = (folder / "args.json").exists() or (folder / TRAINER_STATE).exists()
+    if resume != "latest" and (not folder.is_dir() or a_run):
+        return resume
+
+    def started(run: Path) -> int:
+        stamp = run.name.split("__")[-1].split("_")[0]
+        return int(stamp) if stamp.isdigit() else -1
+
+    runs = sorted((p for p in folder.glob(f"{exp_name}__*") if not p.is_symlink() and complete_checkpoints(p)),
+                  key=started) if folder.is_dir() else []
+    if not runs:
+        raise ConfigError(f"--resume={resume!r} is not allowed: no run of --exp-name={exp_name!r} with a complete "
+                          f"checkpoint in {str(folder)!r}")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"--resume={resume}: the newest run of {exp_name} in {folder} is {runs[-1]}", file=sys.stderr, flush=True)
+    return str(runs[-1])
+
+
 def typed_flags(argv: list[str]) -> set[str]:
     """The Args fields named on a command line (`--name`, `--name=value`, `--no-name`)."""
     names = set()
@@ -2049,6 +2071,7 @@ def resume_args(cli_args, defaults, resume: str, script: str, typed: set[str] | 
     `typed`: the flags typed on the command line (typed_flags); each must agree with the run, except
     --num-steps, which may extend it. Without `typed` (a call from Python), flags that differ from the
     defaults count as typed. A run of another script, or one already at its last step, is refused."""
+    resume = newest_run(resume, cli_args.runs_dir, cli_args.exp_name)
     checkpoint, state = find_checkpoint(resume)
     args_file, flag = checkpoint.parent / "args.json", f"--resume={resume!r}"
     text = read_run_file(args_file, flag) if os.path.lexists(args_file) else ""  # no link, FIFO or huge file
@@ -2089,7 +2112,7 @@ def resume_args(cli_args, defaults, resume: str, script: str, typed: set[str] | 
         elif value != getattr(args, name):
             raise ConfigError(f"--{name.replace('_', '-')}={value!r} is not allowed with --resume: the run "
                               f"was started with {getattr(args, name)!r} (only --num-steps may change)")
-    args.resume = cli_args.resume
+    args.resume = resume
     step = checkpoint_step(checkpoint)
     if step >= args.num_steps:
         raise ConfigError(f"--num-steps={args.num_steps} is not allowed with --resume: {checkpoint} is step {step}, "

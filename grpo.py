@@ -40,12 +40,12 @@ class Args:
     """training steps (one generation batch each)"""
 
     # The algorithm's hyper-parameters (the ones the paper varies)
-    prompts_per_step: int = 8
+    prompts_per_step: int = 16
     """prompts per step over all processes"""
-    group_size: int = 4
+    group_size: int = 2
     """G: completions sampled per prompt (eq. 9-10); the paper compares 2, 4 and 8"""
-    learning_rate: float = 3e-5
-    """AdamW learning rate (paper: 1e-6 for the 1.5B model; 3e-5 moves the 135M model within minutes)"""
+    learning_rate: float = 1e-5
+    """AdamW learning rate (paper: 1e-6 for the 1.5B model; 1e-5 moves the 135M model within minutes)"""
     warmup_steps: int = 0
     """linear learning-rate warm-up, in training steps"""
     weight_decay: float = 0.0
@@ -136,7 +136,8 @@ class Args:
     log_samples_every: int = 10
     """write sample completions every N steps"""
     resume: str = ""
-    """continue a run: its folder (from its newest complete checkpoint) or one checkpoint-<step> folder"""
+    """continue a run: its folder (from its newest complete checkpoint), one checkpoint-<step> folder, or `latest` (the
+    newest run of --exp-name in --runs-dir; a folder of runs in place of --runs-dir works too)"""
 
 
 # ----------------------------------------------------------------------------------------------------

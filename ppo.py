@@ -49,7 +49,7 @@ class Args:
     """prompts per step over all processes (64 x 1 = GRPO's default 8 x 8 completions per step)"""
     group_size: int = 1
     """completions sampled per prompt (verl's rollout.n); PPO needs no group, the critic is its baseline"""
-    learning_rate: float = 3e-5
+    learning_rate: float = 1e-5
     """actor AdamW learning rate (paper 3.2: 1e-6 is stable, larger learns faster and fluctuates)"""
     critic_learning_rate: float = 1e-4
     """critic AdamW learning rate"""
@@ -156,7 +156,8 @@ class Args:
     log_samples_every: int = 10
     """write sample completions every N steps"""
     resume: str = ""
-    """continue a run: its folder (from its newest complete checkpoint) or one checkpoint-<step> folder"""
+    """continue a run: its folder (from its newest complete checkpoint), one checkpoint-<step> folder, or `latest` (the
+    newest run of --exp-name in --runs-dir; a folder of runs in place of --runs-dir works too)"""
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -53,13 +53,13 @@ PAPER_SCRIPT = {  # each algorithm at the paper's values
 # operators commute, so the order of the numbers never decides; with `+ -` a difference must put the larger
 # number first, `+` was right more often at the start, and GRPO collapsed to "always add" (study/README.md)
 CPU = dict(model="bundled-warm", task_min_numbers=2, task_max_numbers=2, task_max_value=20, task_operators="+*",
-           max_new_tokens=48, learning_rate=3e-5, num_steps=30, eval_every=10, eval_size=128, test_size=128,
+           max_new_tokens=48, learning_rate=1e-5, num_steps=30, eval_every=10, eval_size=128, test_size=128,
            save_every=5, keep_checkpoints=1, micro_batch_size=16, log_samples_every=5)
-CPU_SCRIPT = {  # 32 completions per step for every algorithm; 8 prompts (not 4 x 8), so that a step holds sums and
-    # differences alike: with 4 prompts a batch of sums alone taught "always add" (study/README.md, pilots)
+CPU_SCRIPT = {  # 32 completions per step for every algorithm, over 16 prompts (G = 2) so that each step holds sums
+    # and products alike: with 4 or 8 prompts and 3e-5 the policy swung between operators and collapsed to one
     "ppo": dict(prompts_per_step=32, group_size=1, num_minibatches=2, critic_learning_rate=1e-4, beta=0.001),
-    "grpo": dict(prompts_per_step=8, group_size=4, num_minibatches=2, beta=0.01),
-    "dapo": dict(prompts_per_step=8, group_size=4, num_minibatches=2, clip_low=0.2, clip_high=0.28, beta=0.0,
+    "grpo": dict(prompts_per_step=16, group_size=2, num_minibatches=2, beta=0.01),
+    "dapo": dict(prompts_per_step=16, group_size=2, num_minibatches=2, clip_low=0.2, clip_high=0.28, beta=0.0,
                  dynamic_sampling=False),
 }
 

@@ -40,10 +40,10 @@ def test_typed_flags_are_read_from_the_command_line():
 
 def test_a_flag_typed_at_its_default_value_still_counts(finished_run):
     run_args = json.loads(Path(finished_run, "args.json").read_text())
-    assert run_args["learning_rate"] == 1e-3 and grpo.Args().learning_rate == 3e-5
-    result = cli(["grpo.py", "--resume", finished_run, "--num-steps", "3", "--learning-rate", "3e-5"])
+    assert run_args["learning_rate"] == 1e-3 and grpo.Args().learning_rate == 1e-5
+    result = cli(["grpo.py", "--resume", finished_run, "--num-steps", "3", "--learning-rate", "1e-5"])
     assert result.returncode == 2
-    assert "--learning-rate=3e-05 is not allowed with --resume: the run was started with 0.001" in result.stderr
+    assert "--learning-rate=1e-05 is not allowed with --resume: the run was started with 0.001" in result.stderr
     # --num-steps at its default (30) extends the run: it is what the user typed
     extended, _, _ = common.resume_args(grpo.Args(resume=finished_run), grpo.Args(), finished_run, "grpo", {"num_steps"})
     assert extended.num_steps == 30 and extended.learning_rate == 1e-3

@@ -104,3 +104,22 @@ def test_resume_refuses_a_conflicting_flag(tmp_path):
     with pytest.raises(common.ConfigError, match=r"--learning-rate=0.01 is not allowed with --resume: the run was "
                                                  r"started with 0.0001"):
         common.resume_args(grpo.Args(learning_rate=1e-2), grpo.Args(), str(tmp_path / "run"), "grpo")
+
+
+def test_resume_latest_takes_the_newest_run_of_the_experiment_and_says_which(tiny_model_dir, tmp_path, capsys):
+    import grpo
+
+    flags = dict(model=tiny_model_dir, num_steps=1, prompts_per_step=2, group_size=2, max_new_tokens=3, eval_size=0,
+                 test_size=4, save_every=1, runs_dir=str(tmp_path), num_minibatches=1)
+    older = grpo.train(grpo.Args(**flags))["run_dir"]
+    time.sleep(1.1)  # run folders are named by the second they start
+    newer = grpo.train(grpo.Args(**flags))["run_dir"]
+    grpo.train(grpo.Args(**{**flags, "exp_name": "other"}))  # newest of all, but another experiment
+    assert common.newest_run("latest", str(tmp_path), "grpo") == newer != older
+    assert common.newest_run(str(tmp_path), "ignored", "grpo") == newer  # a folder of runs in place of --runs-dir
+    assert common.newest_run(newer, "ignored", "grpo") == newer  # a run folder is itself
+    assert "the newest run of grpo" in capsys.readouterr().err
+    resumed = grpo.train(grpo.Args(**{**flags, "num_steps": 2, "resume": "latest"}), typed_flags={"resume", "num_steps"})
+    assert resumed["run_dir"] == newer and len(rows(newer)) == 2 and len(rows(older)) == 1
+    with pytest.raises(common.ConfigError, match="--resume='latest' is not allowed: no run of --exp-name='nothing'"):
+        common.newest_run("latest", str(tmp_path), "nothing")

@@ -49,8 +49,8 @@ class Args:
     out: str = ""
     """also append the JSON line to this file"""
     details: str = ""
-    """also write one JSON line per held-out task to this new file: the task, the greedy completion, whether
-    it was correct, the operators of the right answer and of the model's answer"""
+    """also write one JSON line per held-out task to this file (replacing it): the task, the greedy completion,
+    whether it was correct, the operators of the right answer and of the model's answer"""
 
     # The held-out tasks and the prompt: a run's own settings unless typed, else the training defaults
     dataset: str = "generated"

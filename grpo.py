@@ -36,7 +36,7 @@ class Args:
     never writes a well-formed answer), a local HF folder, or a hub id (Qwen/Qwen2.5-1.5B-Instruct)"""
     dataset: str = "generated"
     """`generated` (offline, solvable tasks), a .jsonl/.parquet file with nums and target, or a hub id (Jiayi-Pan/Countdown-Tasks-3to4)"""
-    num_steps: int = 30
+    num_steps: int = 60
     """training steps (one generation batch each)"""
 
     # The algorithm's hyper-parameters (the ones the paper varies)

@@ -53,7 +53,7 @@ PAPER_SCRIPT = {  # each algorithm at the paper's values
 # operators commute, so the order of the numbers never decides; with `+ -` a difference must put the larger
 # number first, `+` was right more often at the start, and GRPO collapsed to "always add" (study/README.md)
 CPU = dict(model="bundled-warm", task_min_numbers=2, task_max_numbers=2, task_max_value=20, task_operators="+*",
-           max_new_tokens=48, learning_rate=1e-5, num_steps=30, eval_every=10, eval_size=128, test_size=128,
+           max_new_tokens=48, learning_rate=1e-5, num_steps=60, eval_every=10, eval_size=128, test_size=128,
            save_every=5, keep_checkpoints=1, micro_batch_size=16, log_samples_every=5)
 CPU_SCRIPT = {  # 32 completions per step for every algorithm, over 16 prompts (G = 2) so that each step holds sums
     # and products alike: with 4 or 8 prompts and 3e-5 the policy swung between operators and collapsed to one

@@ -44,9 +44,9 @@ def test_a_flag_typed_at_its_default_value_still_counts(finished_run):
     result = cli(["grpo.py", "--resume", finished_run, "--num-steps", "3", "--learning-rate", "1e-5"])
     assert result.returncode == 2
     assert "--learning-rate=1e-05 is not allowed with --resume: the run was started with 0.001" in result.stderr
-    # --num-steps at its default (30) extends the run: it is what the user typed
+    # --num-steps at its default (60) extends the run: it is what the user typed
     extended, _, _ = common.resume_args(grpo.Args(resume=finished_run), grpo.Args(), finished_run, "grpo", {"num_steps"})
-    assert extended.num_steps == 30 and extended.learning_rate == 1e-3
+    assert extended.num_steps == 60 and extended.learning_rate == 1e-3
 
 
 def test_resuming_a_finished_run_says_so_and_changes_nothing(finished_run):

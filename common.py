@@ -2037,8 +2037,8 @@ def newest_run(resume: str, runs_dir: str, exp_name: str) -> str:
     """--resume latest (in --runs-dir) or --resume FOLDER_OF_RUNS: the newest run of --exp-name there that has a
     complete checkpoint (by the start time in its name), said in one line; any other value is returned as is."""
     folder = Path(runs_dir if resume == "latest" else resume)
-    a_run = (folder / "args.json").exists() or (folder / TRAINER_STATE).exists()
-    if resume != "latest" and (not folder.is_dir() or a_run):
+    holds_runs = folder.is_dir() and not (folder / "args.json").exists() and any(folder.glob(f"{exp_name}__*"))
+    if resume != "latest" and not holds_runs:  # a run folder or a checkpoint: find_checkpoint's
         return resume
 
     def started(run: Path) -> int:

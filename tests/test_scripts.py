@@ -61,12 +61,13 @@ def test_flags_are_checked_before_anything_loads(algo, fields, message):
 
 
 def test_grpo_runs_with_the_bundled_model(tmp_path):
-    result = run(["grpo.py", "--num-steps", "2", "--prompts-per-step", "2", "--group-size", "2",
+    result = run(["grpo.py", "--model", "bundled", "--num-steps", "2", "--prompts-per-step", "2", "--group-size", "2",
                   "--max-new-tokens", "16", "--eval-size", "1", "--runs-dir", str(tmp_path), "--learning-rate", "1e-5"])
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir, rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert set(rows[0]) == {"step", "charts/eval_accuracy", "charts/eval_format_rate", "charts/eval_response_length"}
+    assert set(rows[0]) == {"step", "charts/eval_accuracy", "charts/eval_format_rate", "charts/eval_response_length",
+                            "charts/eval_best_constant", "charts/eval_uniform_guess", "time/eval"}
     for key in ["charts/reward", "charts/accuracy", "charts/format_rate", "losses/kl_ref", "losses/policy_loss",
                 "losses/grad_norm", "charts/eval_accuracy", "time/generation", "time/update"]:
         assert key in rows[-1], key
@@ -113,7 +114,7 @@ def test_torchrun_two_cpu_processes(script, parallel, tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("dynamic_sampling", ["--dynamic-sampling", "--no-dynamic-sampling"])
 def test_dapo_runs_with_the_bundled_model(dynamic_sampling, tmp_path):
-    result = run(["dapo.py", "--num-steps", "2", "--prompts-per-step", "2", "--group-size", "2",
+    result = run(["dapo.py", "--model", "bundled", "--num-steps", "2", "--prompts-per-step", "2", "--group-size", "2",
                   "--max-new-tokens", "12", "--eval-size", "1", "--runs-dir", str(tmp_path), "--learning-rate", "1e-5",
                   dynamic_sampling, "--max-generation-batches", "2", "--overlong-buffer", "8", "--num-minibatches", "2",
                   "--dynamic-sampling-metric", "reward"])  # the bundled model is never right: filter on rewards
@@ -141,7 +142,7 @@ def test_dapo_runs_with_the_bundled_model(dynamic_sampling, tmp_path):
 
 
 def test_ppo_runs_with_the_bundled_model(tmp_path):
-    result = run(["ppo.py", "--num-steps", "2", "--prompts-per-step", "1", "--max-new-tokens", "16",
+    result = run(["ppo.py", "--model", "bundled", "--num-steps", "2", "--prompts-per-step", "1", "--max-new-tokens", "16",
                   "--eval-size", "1", "--runs-dir", str(tmp_path), "--learning-rate", "1e-5", "--num-minibatches", "1"])
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir, rows = metrics(tmp_path)

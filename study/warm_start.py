@@ -77,7 +77,7 @@ class Args:
     """held-out split to avoid: most numbers per task"""
     task_max_value: int = 20
     """held-out split to avoid: numbers are drawn from 1..task_max_value"""
-    task_operators: str = "+-"
+    task_operators: str = "+*"
     """held-out split to avoid: operators of its hidden solutions"""
 
 

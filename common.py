@@ -709,10 +709,15 @@ def task_key(task: dict) -> tuple:
     return tuple(sorted(task["nums"])), task["target"]
 
 
+def expression_operators(expr: str) -> str:
+    """The operators of an expression, sorted (`+`, `-`, `+-`, `**/` ...)."""
+    return "".join(sorted(c for c in expr if c in "+-*/"))
+
+
 def operator_class(task: dict) -> str:
-    """The operators of a generated task's hidden solution, sorted (`+`, `-`, `+-`, `**/` ...): the class
-    that a balanced held-out set gives equal shares."""
-    return "".join(sorted(c for c in task["solution"] if c in "+-*/"))
+    """The operators of a generated task's hidden solution: the class that a balanced held-out set gives
+    equal shares."""
+    return expression_operators(task["solution"])
 
 
 def generate_tasks(n: int, seed: int, min_numbers: int = 3, max_numbers: int = 4, max_value: int = 99,

@@ -165,7 +165,7 @@ def sampled_scores(backend, tokenizer, tasks: list[dict], args: Args, world: com
 def answer_operators(text: str) -> str:
     """The operators of a completion's answer, sorted (`+`, `-*`), or `none` without a well-formed answer."""
     answer = countdown_reward.extract_answer(text) if countdown_reward.is_well_formed(text) else None
-    return "".join(sorted(c for c in answer if c in "+-*/")) if answer is not None else "none"
+    return common.expression_operators(answer) if answer is not None else "none"
 
 
 def by_operator_class(details: list[dict]) -> dict:

@@ -82,15 +82,14 @@ class Args:
 
 
 def random_expression(nums: list[int], operators: str, rng: random.Random,
-                      largest_first: bool = False) -> tuple[str, Fraction | None]:
+                      largest_first: bool = False) -> tuple[str, Fraction]:
     """Every number once, left to right with uniformly drawn operators: (text, value). The numbers in random
     order, or largest first (the warm start's convention: a difference written that way is never negative)."""
     order = sorted(nums, reverse=True) if largest_first else rng.sample(nums, len(nums))
     expr, value = str(order[0]), Fraction(order[0])
     for i, n in enumerate(order[1:], start=1):
         op = rng.choice(operators)
-        value = None if value is None or (op == "/" and n == 0) else \
-            {"+": value + n, "-": value - n, "*": value * n, "/": value / n}[op]
+        value = {"+": value + n, "-": value - n, "*": value * n, "/": value / n}[op]  # numbers are >= 1
         expr = f"{expr} {op} {n}" if i == len(order) - 1 else f"({expr} {op} {n})"
     return expr, value
 
@@ -102,7 +101,7 @@ def examples(args: Args, count: int, exclude: set) -> list[dict]:
     while len(out) < count:
         nums = [rng.randint(MIN_VALUE, 99) for _ in range(rng.randint(2, 4))]
         _, target = random_expression(nums, "+-*/", rng)
-        if target is None or target.denominator != 1 or not 0 < target <= 999:
+        if target.denominator != 1 or not 0 < target <= 999:
             continue
         task = {"nums": nums, "target": int(target)}
         if common.task_key(task) in exclude:

@@ -403,10 +403,10 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
     run = common.RunDir(args.runs_dir, args.exp_name, args.seed, checkpoint, world)  # locks a resumed run's folder
 
     # Data (checked before any model loads); each process takes its share of prompts_per_step
-    model_path = common.resolve_model(args.model)
     train_tasks, test_tasks = common.load_countdown(
         args.dataset, args.test_size, args.seed, min_numbers=args.task_min_numbers,
         max_numbers=args.task_max_numbers, max_value=args.task_max_value, operators=args.task_operators)
+    model_path = common.resolve_model(args.model)  # after the data: --model=bundled-warm may build the warm start
     eval_tasks = test_tasks[:args.eval_size]
 
     # Model, critic, reference model (only when the KL term is on), optimizers

@@ -232,6 +232,29 @@ def all_reduce_sums(sums: dict[str, float], world: Dist) -> dict[str, float]:
     return dict(zip(names, all_reduce_sum([float(sums[k]) for k in names], world)))
 
 
+def all_reduce_means(values: dict, world: Dist) -> dict[str, float]:
+    """{name: this process's values (a tensor or a list of numbers)} -> {name: the mean of every value on every
+    process}; one all-reduce of each entry's sum and count, so processes may hold different counts."""
+    names = list(values)
+    local = []
+    for name in names:
+        v = torch.as_tensor(values[name]).detach().double()
+        local += [v.sum().item(), v.numel()]
+    totals = all_reduce_sum(local, world)
+    return {name: totals[2 * i] / max(totals[2 * i + 1], 1) for i, name in enumerate(names)}
+
+
+def all_reduce_std(values: torch.Tensor, world: Dist) -> float:
+    """Population standard deviation of `values` over every process: the mean, then the squared deviations."""
+    mean = all_reduce_means({"x": values}, world)["x"]
+    return all_reduce_means({"x": (values.detach().double() - mean) ** 2}, world)["x"] ** 0.5
+
+
+def average_over_processes(means: dict[str, float], world: Dist) -> dict[str, float]:
+    """Per-process means (each over the same number of sequences) -> their average over processes."""
+    return {name: total / world.world_size for name, total in all_reduce_sums(means, world).items()}
+
+
 def gather_objects(items: list, world: Dist) -> list:
     """Every process's list, concatenated in rank order (the list itself without torchrun)."""
     if not world.enabled:
@@ -557,17 +580,16 @@ def load_model(path: str, device: torch.device, gradient_checkpointing: bool = F
 def autocast_forward(model, dtype: torch.dtype):
     """The mixed-precision recipe, in one place: float32 weights, gradients and optimizer state, and a
     forward (hence backward) whose matrix products run in `dtype` under torch.autocast, as accelerate's
-    `mixed_precision="bf16"` does. Softmax, norms and losses stay in float32 under autocast."""
-    model.compute_dtype = dtype
+    `mixed_precision="bf16"` does (it wraps `model.forward` the same way). Softmax, norms and losses stay in
+    float32 under autocast."""
     if dtype != torch.float32:
         model.forward = torch.autocast(model.device.type, dtype=dtype)(model.forward)
     return model
 
 
-def autocast_region(model):
+def autocast_region(model, dtype: torch.dtype):
     """One autocast region around many forwards of `model` (a whole `generate`), so the bfloat16 copies
     of its weights are cast once per region instead of once per decoded token."""
-    dtype = getattr(unwrap(model), "compute_dtype", torch.float32)
     return torch.autocast(unwrap(model).device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
@@ -593,9 +615,10 @@ def is_sharded(model) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def parallelize(model, world: Dist, fsdp: bool = False, cpu_offload: bool = False):
+def parallelize(model, world: Dist, fsdp: bool = False, cpu_offload: bool = False,
+                dtype: torch.dtype = torch.float32):
     """DDP for a trained model, or FSDP2: `fully_shard` on each decoder layer, then on the whole model,
-    float32 weights and gradient reductions with the model's compute dtype (autocast_forward) for the
+    float32 weights and gradient reductions with the compute dtype (--compute-dtype) for the
     gathered parameters, optionally parameters, gradients and optimizer states in CPU memory. A frozen model (the reference) is sharded with --fsdp, else kept as is."""
     if not world.enabled:
         return model
@@ -605,7 +628,6 @@ def parallelize(model, world: Dist, fsdp: bool = False, cpu_offload: bool = Fals
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     # the same recipe as autocast_forward: parameters gathered in the compute dtype, float32 reductions
-    dtype = getattr(model, "compute_dtype", torch.float32)
     kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
@@ -1058,8 +1080,8 @@ class HFBackend:
     """`model.generate` with left padding and attention masks, on the training model itself, in the same
     compute dtype as the log-prob pass (autocast_region) and with `sampling_config`'s settings only."""
 
-    def __init__(self, model, tokenizer, generation_batch_size: int = 64):
-        self.model, self.tokenizer = model, tokenizer
+    def __init__(self, model, tokenizer, dtype: torch.dtype = torch.float32, generation_batch_size: int = 64):
+        self.model, self.tokenizer, self.dtype = model, tokenizer, dtype
         # FSDP2 gathers each layer in every forward: all processes must take the same number of steps
         self.synced = is_sharded(model)
         self.stop_ids = stop_token_ids(unwrap(model), tokenizer)
@@ -1080,7 +1102,7 @@ class HFBackend:
         model.eval()
         model.config.use_cache = True  # gradient checkpointing turns the cache off for training
         chunks, logprob_chunks = [], []
-        with only_generation_config(model, config), autocast_region(model):
+        with only_generation_config(model, config), autocast_region(model, self.dtype):
             for i in range(0, len(prompt_ids), self.generation_batch_size):
                 ids = prompt_ids[i:i + self.generation_batch_size]
                 mask = prompt_mask[i:i + self.generation_batch_size]
@@ -1139,7 +1161,7 @@ class VLLMBackend:
         if world.world_size > 1:  # one engine per torchrun process, each on its own prompts (as TRL's colocate mode)
             kwargs["distributed_executor_backend"] = "external_launcher"
         # The trainer's compute dtype (--compute-dtype): the engine samples in the precision of the log-prob pass
-        dtype = "bfloat16" if getattr(unwrap(model), "compute_dtype", torch.float32) == torch.bfloat16 else "float32"
+        dtype = "bfloat16" if compute_dtype(args.compute_dtype, world.device) == torch.bfloat16 else "float32"
         self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=args.seed + world.rank,
                        enforce_eager=True, max_model_len=self.max_model_len, enable_prefix_caching=True,
                        logprobs_mode="processed_logprobs",  # log-probs at the sampling temperature
@@ -1209,10 +1231,12 @@ class VLLMBackend:
 
 
 def make_backend(name: str, model, tokenizer, args=None, model_path: str | None = None, world: Dist | None = None):
+    """--backend: `hf` or `vllm`, generating in the compute dtype of args.compute_dtype (float32 without args)."""
+    world = world or Dist()
     if name == "hf":
-        return HFBackend(model, tokenizer)
+        return HFBackend(model, tokenizer, compute_dtype(args.compute_dtype, world.device) if args else torch.float32)
     if name == "vllm":
-        return VLLMBackend(model, tokenizer, model_path, args, world or Dist())
+        return VLLMBackend(model, tokenizer, model_path, args, world)
     raise ConfigError(f"--backend={name!r} is not allowed: 'hf' or 'vllm'")
 
 
@@ -1420,10 +1444,10 @@ def batched_logprobs(model, rollout: Rollout, micro_batch_size: int, temperature
 # ----------------------------------------------------------------------------------------------------
 def countdown_rewards(texts: list[str], tasks: list[dict], format_score: float, answer_score: float):
     """Rewards, correctness and well-formedness of each completion (tasks aligned with texts)."""
-    rewards = [countdown_reward.compute_score(t, k["nums"], k["target"], format_score, answer_score)
-               for t, k in zip(texts, tasks)]
-    correct = [float(countdown_reward.is_correct(t, k["nums"], k["target"])) for t, k in zip(texts, tasks)]
-    well_formed = [float(countdown_reward.is_well_formed(t)) for t in texts]
+    grades = [countdown_reward.grade(t, k["nums"], k["target"]) for t, k in zip(texts, tasks)]  # one parse each
+    rewards = [countdown_reward.score_of(g, format_score, answer_score) for g in grades]
+    correct = [float(g == "correct") for g in grades]
+    well_formed = [float(g != "malformed") for g in grades]
     return rewards, correct, well_formed
 
 
@@ -2147,60 +2171,30 @@ def trainer_state(step: int, skipped_steps: int, update_rng: torch.Generator, **
             "rng": rng_state(), **{name: obj.state_dict() for name, obj in stateful.items()}}
 
 
-def restore_trainer_state(state: dict, update_rng: torch.Generator, **stateful) -> tuple[int, int]:
-    """The inverse of trainer_state; returns (first step to run, skipped steps so far)."""
-    for name, obj in stateful.items():
-        obj.load_state_dict(state[name])
-    update_rng.set_state(state["update_rng"])
-    set_rng_state(state["rng"])
-    return state["step"] + 1, state["skipped_steps"]
+def restore_trainer_state(state: dict, resume: str, update_rng: torch.Generator, **stateful) -> tuple[int, int]:
+    """The inverse of trainer_state; returns (first step to run, skipped steps so far). A state that does
+    not fit this run (parts missing or foreign) is a one-line error naming --resume."""
+    try:
+        for name, obj in stateful.items():
+            obj.load_state_dict(state[name])
+        update_rng.set_state(state["update_rng"])
+        set_rng_state(state["rng"])
+        return state["step"] + 1, state["skipped_steps"]
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as err:
+        reason = str(err).splitlines()[0][:100] if str(err) else ""
+        raise ConfigError(f"--resume={resume!r} is not allowed: its {TRAINER_STATE} does not fit this run "
+                          f"({type(err).__name__}: {reason})") from None
 
 
-class RunControl:
-    """The run's life around the algorithm, so that the loop holds only rollout, reward, advantage, update
-    and logging: where a resumed run starts, updates skipped for a non-finite gradient, Ctrl-C/SIGTERM,
-    divergence, periodic and final checkpoints. The loop calls count_skipped() after its update and
-    end_of_step() after logging; the latter returns True when the loop must stop."""
+def skipped_update_message(step: int, skipped: int, stats: dict) -> str:
+    return (f"step {step}: {skipped} optimizer step(s) skipped, the gradient was not finite (policy loss "
+            f"{stats.get('losses/policy_loss', float('nan')):.4g}, grad norm {stats.get('losses/grad_norm', float('nan')):.4g})")
 
-    def __init__(self, args, script: str, run_dir: str, world: Dist, update_rng: torch.Generator, stateful: dict,
-                 state: dict | None):
-        self.args, self.script, self.run_dir, self.world = args, script, run_dir, world
-        self.update_rng, self.stateful = update_rng, stateful
-        self.start_step, self.skipped_steps, self.skipped_in_row = 1, 0, 0
-        if state:
-            try:
-                self.start_step, self.skipped_steps = restore_trainer_state(state, update_rng, **stateful)
-            except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as err:  # parts missing or foreign
-                reason = str(err).splitlines()[0][:100] if str(err) else ""
-                raise ConfigError(f"--resume={args.resume!r} is not allowed: its {TRAINER_STATE} does not fit this run "
-                                  f"({type(err).__name__}: {reason})") from None
-        self.stop = StopRequest()  # Ctrl-C / SIGTERM: finish the step, save, exit
 
-    def count_skipped(self, step: int, skipped: int, stats: dict, bar: "ProgressBar") -> None:
-        """Optimizer steps of this step skipped for a non-finite gradient (they never reached the weights)."""
-        self.skipped_steps += skipped
-        self.skipped_in_row = self.skipped_in_row + 1 if skipped else 0
-        if skipped:
-            bar.write(f"step {step}: {skipped} optimizer step(s) skipped, the gradient was not finite (policy loss "
-                      f"{stats.get('policy_loss', float('nan')):.4g}, grad norm {stats.get('grad_norm', float('nan')):.4g})")
-
-    def end_of_step(self, step: int, bar: "ProgressBar", save) -> bool:
-        """Save when due (`save(state=..., final=...)` writes the checkpoint), then stop on a request or
-        after --max-skipped-steps non-finite steps in a row (RunStopped). True: leave the loop."""
-        args = self.args
-        stopping = self.stop.requested(self.world)
-        diverged = self.skipped_in_row >= args.max_skipped_steps
-        final = step == args.num_steps or stopping or diverged
-        if args.save_every and step % args.save_every == 0 or final:
-            save(state=trainer_state(step, self.skipped_steps, self.update_rng, **self.stateful), final=final)
-        if diverged:  # the skipped updates never reached the weights: the checkpoint is the last good state
-            raise RunStopped(
-                f"{self.skipped_in_row} steps in a row had a non-finite gradient (--max-skipped-steps="
-                f"{args.max_skipped_steps}); the last good weights are in {self.run_dir}/checkpoint-{step}: check "
-                f"the rewards, or start again from them with --model and a lower --learning-rate")
-        if stopping:
-            bar.write(f"stopped after step {step}; continue with: python {self.script}.py --resume {self.run_dir}")
-        return stopping
+def divergence_message(in_row: int, max_skipped_steps: int, checkpoint: str) -> str:
+    return (f"{in_row} steps in a row had a non-finite gradient (--max-skipped-steps={max_skipped_steps}); the "
+            f"last good weights are in {checkpoint}: check the rewards, or start again from them with --model "
+            f"and a lower --learning-rate")
 
 
 class StopRequest:

@@ -151,6 +151,24 @@ def uses_numbers_exactly(expr: str, nums: list[int]) -> bool:
     return literals == sorted(int(n) for n in nums)
 
 
+def grade(completion: str, nums: list[int], target: int) -> str:
+    """`malformed` (no answer the format policy accepts), `wrong` or `correct`, from one parse."""
+    if not isinstance(completion, str):
+        return "malformed"
+    answer = extract_answer(completion)
+    if answer is None:
+        return "malformed"
+    if not uses_numbers_exactly(answer, nums):
+        return "wrong"
+    value = evaluate_equation(answer)
+    return "correct" if value is not None and value == target else "wrong"
+
+
+def score_of(grade_: str, format_score: float = 0.1, score: float = 1.0) -> float:
+    """A grade's reward: 0 if malformed, `format_score` if well-formed but wrong, `score` if correct."""
+    return {"malformed": 0.0, "wrong": format_score, "correct": score}[grade_]
+
+
 def compute_score(
     completion: str,
     nums: list[int],
@@ -159,22 +177,12 @@ def compute_score(
     score: float = 1.0,
 ) -> float:
     """0 if not well-formed, `format_score` if well-formed but wrong, `score` if correct."""
-    if not isinstance(completion, str):
-        return 0.0
-    answer = extract_answer(completion)
-    if answer is None:
-        return 0.0
-    if not uses_numbers_exactly(answer, nums):
-        return format_score
-    value = evaluate_equation(answer)
-    if value is None or value != target:
-        return format_score
-    return score
+    return score_of(grade(completion, nums, target), format_score, score)
 
 
 def is_correct(completion: str, nums: list[int], target: int) -> bool:
     """Whether the completion earns the full answer reward."""
-    return compute_score(completion, nums, target, format_score=0.0, score=1.0) == 1.0
+    return grade(completion, nums, target) == "correct"
 
 
 def is_well_formed(completion: str) -> bool:

@@ -20,6 +20,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Literal, NamedTuple
 
 import torch
@@ -27,11 +28,13 @@ import tyro
 
 import common
 
+SCRIPT = Path(__file__).stem  # "dapo": names the run folder and its records, checked on --resume
+
 
 @dataclass
 class Args:
     # Experiment
-    exp_name: str = "dapo"
+    exp_name: str = SCRIPT
     """name of this experiment; the run folder is `<runs_dir>/<exp_name>__<seed>__<unix time>`"""
     seed: int = 1
     """seed of the data order, sampling and initialisation"""
@@ -182,7 +185,8 @@ def equal_reward_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
     """Eq. 10: A_i = (r_i - mean(r)) / (std(r) + eps) within each group of `group_size` contiguous rewards.
 
-    std is the population standard deviation (divide by G), as in the worked example of the seminar notes.
+    std is the population standard deviation (divide by G), as in the worked example of the three algorithms
+    (rewards 2, 10, 3: std 3.559, tests/test_grpo.py).
     Computed in float32 whatever the rewards' dtype; a group whose rewards are all equal gets exactly
     0 (in float32, [0.1] * 8 would otherwise give -0.0075 from the round-off of its mean).
     """
@@ -282,6 +286,9 @@ def training_batch(batches: list[GenerationBatch], groups: list[tuple[int, int, 
     return rollout, rewards, kept
 
 
+# ----------------------------------------------------------------------------------------------------
+# vLLM's truncated importance sampling (--backend vllm): the sampler is not exactly pi_old
+# ----------------------------------------------------------------------------------------------------
 def engine_correction(advantages, old_logprobs, engine_logprobs, cap: float):
     """vLLM sampled the tokens from pi_vllm (other kernels, maybe another precision), not from pi_old.
     Returns the per-token gap |log pi_old - log pi_vllm| (logged) and, with cap > 0, the advantages
@@ -292,13 +299,18 @@ def engine_correction(advantages, old_logprobs, engine_logprobs, cap: float):
         advantages = (advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages) * gap.exp().clamp(max=cap)
     return advantages, gap.abs()
 
+
 # ----------------------------------------------------------------------------------------------------
 # Update: update_epochs passes of num_minibatches optimizer steps, each accumulated over micro-batches
 # ----------------------------------------------------------------------------------------------------
 def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_logprobs, ref_model,
-                  args: Args, generator: torch.Generator, world: common.Dist, loss_mask=None) -> dict:
+                  args: Args, update_rng: torch.Generator, world: common.Dist, loss_mask=None) -> tuple[dict, int]:
     """Minimise -eq. 12 (clipped surrogate, token-level; - beta * k3 KL, - ent_coef * entropy) over the
-    rollout; mean stats. `loss_mask` (default: the completion mask) leaves tokens out of the loss.
+    rollout. Returns the update's means under their logged names, and how many optimizer steps a non-finite
+    gradient skipped. `loss_mask` (default: the completion mask) leaves tokens out of the loss.
+
+    `old_logprobs`: pi_old's, (B, T); on-policy (one epoch of one minibatch) pi_old is the policy itself,
+    so the update takes them from its own forward pass, detached, and `old_logprobs` is not needed (None).
 
     Eq. 12 divides by the number of tokens of the whole minibatch, over all processes. Every micro-batch
     divides its token sum by that global count (times the number of processes, which DDP's gradient
@@ -306,11 +318,12 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
     """
     mask = (rollout.completion_mask if loss_mask is None else loss_mask).to(torch.float32)
     batch_size = len(advantages)
-    stats_sum: dict[str, float] = {}
+    on_policy = args.update_epochs == 1 and args.num_minibatches == 1
+    means: dict[str, float] = {}
     skipped = 0
     policy.train()
     for _ in range(args.update_epochs):
-        for minibatch in torch.randperm(batch_size, generator=generator).chunk(args.num_minibatches):
+        for minibatch in torch.randperm(batch_size, generator=update_rng).chunk(args.num_minibatches):
             num_tokens = common.all_reduce_sum([mask[minibatch].sum().item()], world)[0] / world.world_size
             if num_tokens == 0:  # every token masked out (dynamic sampling found nothing, or all truncated)
                 continue
@@ -322,7 +335,7 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
                 with common.gradient_sync(policy, enabled=last):
                     logprobs, entropy = common.completion_logprobs(policy, *mb.inputs(rollout), args.temperature,
                                                                    with_entropy=True, entropy_grad=args.ent_coef > 0)
-                    old = logprobs.detach() if old_logprobs is None else mb(old_logprobs)
+                    old = logprobs.detach() if on_policy else mb(old_logprobs)
                     adv, engine_gap = mb(advantages), None
                     if rollout.logprobs is not None:  # vLLM sampled the tokens
                         adv, engine_gap = engine_correction(adv, old, mb(rollout.logprobs), args.vllm_importance_cap)
@@ -336,24 +349,26 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
                     else:
                         kl = torch.zeros((), device=logprobs.device)
                     entropy_bonus = token_mean(entropy, mb(mask), num_tokens)  # eq. 3's S term
-                    if engine_gap is not None:
-                        stats["vllm_logprob_diff"] = token_mean(engine_gap, mb(mask), num_tokens).item()
                     loss = pg_loss + args.beta * kl - args.ent_coef * entropy_bonus
                     loss.backward()
-                stats.update(policy_loss=pg_loss.item(), kl_ref=kl.item(), entropy=entropy_bonus.item())
-                for k, v in stats.items():
-                    stats_sum[k] = stats_sum.get(k, 0.0) + v / (args.num_minibatches * args.update_epochs)
+                logged = {"losses/policy_loss": pg_loss.item(), "losses/kl_ref": kl.item(),
+                          "losses/entropy": entropy_bonus.item(),
+                          "losses/surrogate": stats["surrogate"], "losses/clipfrac": stats["clipfrac"],
+                          "losses/approx_kl": stats["approx_kl"], "charts/ratio": stats["ratio"]}
+                if engine_gap is not None:
+                    logged["charts/vllm_logprob_diff"] = token_mean(engine_gap, mb(mask), num_tokens).item()
+                for k, v in logged.items():
+                    means[k] = means.get(k, 0.0) + v / (args.num_minibatches * args.update_epochs)
             grad_norm = common.clip_grad_norm_(policy, args.max_grad_norm)
             if torch.isfinite(grad_norm):
                 optimizer.step()
             else:  # a NaN/inf gradient never reaches the weights
                 optimizer.zero_grad(set_to_none=True)
                 skipped += 1
-            stats_sum["grad_norm"] = stats_sum.get("grad_norm", 0.0) + grad_norm.item() / (
+            means["losses/grad_norm"] = means.get("losses/grad_norm", 0.0) + grad_norm.item() / (
                 args.num_minibatches * args.update_epochs)
     policy.eval()
-    stats_sum["skipped_updates"] = skipped
-    return stats_sum
+    return means, skipped
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -382,7 +397,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
     """`typed_flags`: the flags typed on the command line, which --resume checks against the run."""
     checkpoint, state = None, None
     if args.resume:  # the run's own configuration, its newest intact checkpoint and that checkpoint's state
-        args, checkpoint, state = common.resume_args(args, Args(), args.resume, "dapo", typed_flags)
+        args, checkpoint, state = common.resume_args(args, Args(), args.resume, SCRIPT, typed_flags)
     check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     if reward_fn is None:  # Countdown (countdown_reward.py)
         reward_fn = lambda rollout, tasks: common.countdown_rewards(  # noqa: E731
@@ -403,52 +418,57 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
     dtype = common.compute_dtype(args.compute_dtype, world.device)  # float32 weights, `dtype` matrix products
     policy = common.load_model(str(checkpoint or model_path), world.device, args.gradient_checkpointing, dtype=dtype)
     ref_model = common.load_model(model_path, world.device, trainable=False, dtype=dtype) if args.beta > 0 else None
-    policy = common.parallelize(policy, world, args.fsdp, args.fsdp_cpu_offload)  # DDP, or FSDP2 with --fsdp
-    ref_model = common.parallelize(ref_model, world, args.fsdp) if ref_model is not None else None
+    policy = common.parallelize(policy, world, args.fsdp, args.fsdp_cpu_offload, dtype)  # DDP, or FSDP2 with --fsdp
+    ref_model = common.parallelize(ref_model, world, args.fsdp, dtype=dtype) if ref_model is not None else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     backend = common.make_backend(args.backend, policy, tokenizer, args, str(checkpoint or model_path), world)
     run_dir = run.create()  # a new run's folder, made once every input has loaded
-    logger = common.RunLogger(run_dir, args, world, "dapo", args.track, args.wandb_project, state and state["step"])
+    logger = common.RunLogger(run_dir, args, world, SCRIPT, args.track, args.wandb_project, state and state["step"])
 
+    # What a checkpoint holds besides the weights; a resumed run restores it and continues as if never stopped
     sampler = common.PromptSampler(train_tasks, args.seed)
-    update_rng = torch.Generator().manual_seed(args.seed)
+    update_rng = torch.Generator().manual_seed(args.seed)  # the update's minibatch order
     stateful = {"optimizer": common.OptimizerState(policy, optimizer), "scheduler": scheduler, "sampler": sampler}
-    control = common.RunControl(args, "dapo", run_dir, world, update_rng, stateful, state)  # resume, stop, save
-    bar, scalars = common.ProgressBar(args.num_steps, world, initial=control.start_step - 1), {}
-    if control.start_step == 1 and args.eval_size:  # step 0: the starting model, so that every curve begins there
+    start_step, skipped_steps, skipped_in_row = 1, 0, 0
+    if state:
+        start_step, skipped_steps = common.restore_trainer_state(state, args.resume, update_rng, **stateful)
+    stop = common.StopRequest()  # Ctrl-C / SIGTERM: finish the step, save, exit
+
+    bar, scalars = common.ProgressBar(args.num_steps, world, initial=start_step - 1), {}
+    if start_step == 1 and args.eval_size:  # step 0: the starting model, so that every curve begins there
         bar.phase("evaluating")
         logger.log(0, common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, world, args.prompt_template))
     local_prompts = args.prompts_per_step // world.world_size
-    step, batches = control.start_step, []  # batches: this step's generation batches (dynamic sampling)
-    while step <= args.num_steps:
-        if not batches:  # a new step
-            step_start = time.perf_counter()
+    for step in range(start_step, args.num_steps + 1):
+        step_start = time.perf_counter()
+        batches = []  # this step's generation batches: more than one only with dynamic sampling
+        for batch in range(args.max_generation_batches):
 
-        # ---- Rollout: G completions for each prompt of this process's share --------------------------
-        tasks = sampler.next_batch(args.prompts_per_step, world)
-        prompts = [common.make_prompt(tokenizer, t, args.prompt_template) for t in tasks]
-        bar.phase("generating")
-        with common.Timer() as generation_time, common.out_of_memory_hint("generation", args):
-            rollout = backend.generate(prompts, args.group_size, args.max_new_tokens, args.temperature, args.top_p,
-                                       seed=common.generation_seed(args.seed, step, world.rank, batch=len(batches)))
-        group_tasks = [t for t in tasks for _ in range(args.group_size)]
+            # ---- Rollout: G completions for each prompt of this process's share ----------------------
+            tasks = sampler.next_batch(args.prompts_per_step, world)
+            prompts = [common.make_prompt(tokenizer, t, args.prompt_template) for t in tasks]
+            bar.phase("generating")
+            with common.Timer() as generation_time, common.out_of_memory_hint("generation", args):
+                generated = backend.generate(prompts, args.group_size, args.max_new_tokens, args.temperature,
+                                             args.top_p, seed=common.generation_seed(args.seed, step, world.rank, batch))
+            group_tasks = [t for t in tasks for _ in range(args.group_size)]
 
-        # ---- Reward, with the soft overlong punishment -----------------------------------------------
-        bar.phase("scoring")
-        rewards, correct, well_formed = reward_fn(rollout, group_tasks)
-        rewards = torch.tensor(rewards, dtype=torch.float32, device=world.device)
-        if args.overlong_buffer > 0:
-            rewards += overlong_penalty(rollout.completion_lengths.to(rewards), args.max_new_tokens,
-                                        args.overlong_buffer, args.overlong_penalty)
+            # ---- Reward, with the soft overlong punishment -------------------------------------------
+            bar.phase("scoring")
+            scores, correct, well_formed = reward_fn(generated, group_tasks)
+            scores = torch.tensor(scores, dtype=torch.float32, device=world.device)
+            if args.overlong_buffer > 0:
+                scores += overlong_penalty(generated.completion_lengths.to(scores), args.max_new_tokens,
+                                           args.overlong_buffer, args.overlong_penalty)
 
-        # ---- Dynamic sampling: informative groups only; sample more prompts until the step is full ----
-        batches.append(GenerationBatch(prompts, rollout, rewards, correct, well_formed, generation_time.seconds))
-        groups = (dynamic_sampling(batches, local_prompts, args.group_size, args.dynamic_sampling_metric)
-                  if args.dynamic_sampling else [(0, g, True) for g in range(local_prompts)])
-        missing = common.all_reduce_sum([sum(not in_loss for _, _, in_loss in groups)], world)[0]
-        if missing and len(batches) < args.max_generation_batches:
-            continue  # the same step, more prompts (every process agrees: `missing` is summed over them)
+            # ---- Dynamic sampling: informative groups only; sample more prompts until the step is full
+            batches.append(GenerationBatch(prompts, generated, scores, correct, well_formed, generation_time.seconds))
+            groups = (dynamic_sampling(batches, local_prompts, args.group_size, args.dynamic_sampling_metric)
+                      if args.dynamic_sampling else [(0, g, True) for g in range(local_prompts)])
+            missing = common.all_reduce_sum([sum(not in_loss for _, _, in_loss in groups)], world)[0]
+            if not missing:  # every process agrees: `missing` is summed over them
+                break
         rollout, rewards, kept = training_batch(batches, groups, args.group_size, tokenizer.pad_token_id)
         in_loss = kept.clone()
         if args.mask_truncated:  # overlong filtering
@@ -468,71 +488,69 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
                 policy, rollout, args.micro_batch_size, args.temperature)[0]
 
             # ---- Update (eq. 12) -----------------------------------------------------------------
-            stats = update_policy(policy, optimizer, rollout, advantages, old_logprobs, ref_model, args,
-                                  update_rng, world, loss_mask)
+            update_means, skipped = update_policy(policy, optimizer, rollout, advantages, old_logprobs, ref_model,
+                                                  args, update_rng, world, loss_mask)
             scheduler.step()
-        if not all(common.weights_finite(m, world) for m in (policy,)):  # a finite gradient times a huge step
+        if not common.weights_finite(policy, world):  # a finite gradient times a huge step
             raise common.RunStopped(f"the weights are not finite after step {step}; the newest checkpoint in "
                                     f"{run_dir} holds the last good ones: lower --learning-rate")
         with common.Timer() as sync_time:  # the generation engine samples from the new weights
             backend.sync_weights(policy)
-        control.count_skipped(step, stats.pop("skipped_updates"), stats, bar)
+        skipped_steps += skipped  # optimizer steps a NaN/inf gradient skipped: they never reached the weights
+        skipped_in_row = skipped_in_row + 1 if skipped else 0
+        if skipped:
+            bar.write(common.skipped_update_message(step, skipped, update_means))
 
-        # ---- Logging: rewards and lengths of everything generated, advantages of what was trained on ----
+        # ---- Logging: means over every process; rewards of all generated, advantages of what trained ----
         step_time = time.perf_counter() - step_start
-        generated = torch.cat([b.rewards for b in batches])
-        trained = advantages[kept]
-        totals = common.all_reduce_sums({
-            "reward": generated.sum().item(), "correct": sum(sum(b.correct) for b in batches),
-            "well_formed": sum(sum(b.well_formed) for b in batches),
-            "tokens": sum(b.rollout.completion_lengths.sum().item() for b in batches), "sequences": len(generated),
-            "zero_std_groups": sum(equal_reward_groups(b.rewards, args.group_size).sum().item() for b in batches),
-            "truncated": sum(r == "length" for b in batches for r in b.rollout.finish_reasons),
-            "advantage": trained.sum().item(), "advantage_squared": trained.pow(2).sum().item(),
-            "trained": len(trained), "regeneration_seconds": sum(b.seconds for b in batches[1:]),
-            **{f"update/{k}": v for k, v in stats.items()}}, world)
-        n = totals["sequences"]
-        adv_mean = totals["advantage"] / max(totals["trained"], 1)
-        scalars = {
-            "charts/reward": totals["reward"] / n,
-            "charts/accuracy": totals["correct"] / n,
-            "charts/format_rate": totals["well_formed"] / n,
-            "charts/response_length": totals["tokens"] / n,
-            "charts/truncated_fraction": totals["truncated"] / n,
-            "charts/zero_std_fraction": totals["zero_std_groups"] / (n / args.group_size),
+        generated_rewards = torch.cat([b.rewards for b in batches])
+        truncated = [r == "length" for b in batches for r in b.rollout.finish_reasons]
+        scalars = common.all_reduce_means({
+            "charts/reward": generated_rewards, "charts/accuracy": [c for b in batches for c in b.correct],
+            "charts/format_rate": [w for b in batches for w in b.well_formed],
+            "charts/response_length": torch.cat([b.rollout.completion_lengths for b in batches]),
+            "charts/truncated_fraction": truncated,
+            "charts/zero_std_fraction": torch.cat([equal_reward_groups(b.rewards, args.group_size) for b in batches]),
+            "charts/advantage_mean": advantages[kept]}, world)
+        counts = common.all_reduce_sums({"trained": kept.sum().item(), "generated": len(generated_rewards)}, world)
+        scalars.update(common.average_over_processes(update_means, world), **{
+            "charts/advantage_std": common.all_reduce_std(advantages[kept], world),
             "charts/generation_batches": len(batches),
-            "charts/dropped_fraction": 1 - totals["trained"] / n,  # generated groups not trained on
-            "charts/advantage_mean": adv_mean,
-            "charts/advantage_std": max(totals["advantage_squared"] / max(totals["trained"], 1) - adv_mean**2, 0.0) ** 0.5,
+            "charts/dropped_fraction": 1 - counts["trained"] / counts["generated"],  # generated, not trained on
             "charts/learning_rate": scheduler.get_last_lr()[0],
-            "charts/tokens_per_second": totals["tokens"] / step_time,
-            "charts/skipped_steps": control.skipped_steps,
+            "charts/tokens_per_second": scalars["charts/response_length"] * counts["generated"] / step_time,
+            "charts/skipped_steps": skipped_steps,
             "time/generation": sum(b.seconds for b in batches),
-            "time/regeneration": totals["regeneration_seconds"] / world.world_size,  # generation batches after the first
-            "time/update": update_time.seconds,
-            "time/weight_sync": sync_time.seconds,
-            "time/step": step_time,
-        }
-        if totals["trained"] < args.prompts_per_step * args.group_size:
-            informative = int(totals["trained"]) // args.group_size
+            **common.average_over_processes({"time/regeneration": sum(b.seconds for b in batches[1:])}, world),
+            "time/update": update_time.seconds, "time/weight_sync": sync_time.seconds, "time/step": step_time})
+        if counts["trained"] < args.prompts_per_step * args.group_size:
             bar.write(f"step {step}: dynamic sampling stopped at --max-generation-batches="
-                      f"{args.max_generation_batches}; training on {informative} informative groups, not {args.prompts_per_step}")
-        for k in stats:  # the update's means, averaged over processes
-            scalars[("charts/" if k in ("ratio", "vllm_logprob_diff") else "losses/") + k] = totals[f"update/{k}"] / world.world_size
+                      f"{args.max_generation_batches}; training on {int(counts['trained']) // args.group_size} "
+                      f"informative groups, not {args.prompts_per_step}")
         if args.eval_size and (args.eval_every and step % args.eval_every == 0 or step == args.num_steps):
             bar.phase("evaluating")
             scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, world,
                                            args.prompt_template))
         logger.log(step, scalars)
         if step % args.log_samples_every == 0 or step == 1:
-            logger.log_samples(step, [prompts[i // args.group_size] for i in range(len(batches[-1].rewards))],
-                               batches[-1].rollout.texts, batches[-1].rewards.tolist())
+            last = batches[-1]
+            logger.log_samples(step, [last.prompts[i // args.group_size] for i in range(len(last.rewards))],
+                               last.rollout.texts, last.rewards.tolist())
         bar.show(scalars)
-        save = lambda **kw: common.save_checkpoint(policy, tokenizer, run_dir, step, world,  # noqa: E731
-                                                   keep=args.keep_checkpoints, **kw)
-        if control.end_of_step(step, bar, save):
+
+        # ---- Checkpoint, then stop on a request or after --max-skipped-steps bad steps in a row ----------
+        stopping = stop.requested(world)
+        diverged = skipped_in_row >= args.max_skipped_steps
+        final = step == args.num_steps or stopping or diverged
+        if args.save_every and step % args.save_every == 0 or final:
+            common.save_checkpoint(policy, tokenizer, run_dir, step, world, keep=args.keep_checkpoints, final=final,
+                                   state=common.trainer_state(step, skipped_steps, update_rng, **stateful))
+        if diverged:  # the skipped updates never reached the weights: the checkpoint is the last good state
+            raise common.RunStopped(common.divergence_message(skipped_in_row, args.max_skipped_steps,
+                                                              f"{run_dir}/checkpoint-{step}"))
+        if stopping:
+            bar.write(f"stopped after step {step}; continue with: python {SCRIPT}.py --resume {run_dir}")
             break
-        step, batches = step + 1, []
 
     bar.close()
     logger.close()

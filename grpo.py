@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Literal
 
 import torch
@@ -23,11 +24,13 @@ import tyro
 
 import common
 
+SCRIPT = Path(__file__).stem  # "grpo": names the run folder and its records, checked on --resume
+
 
 @dataclass
 class Args:
     # Experiment
-    exp_name: str = "grpo"
+    exp_name: str = SCRIPT
     """name of this experiment; the run folder is `<runs_dir>/<exp_name>__<seed>__<unix time>`"""
     seed: int = 1
     """seed of the data order, sampling and initialisation"""
@@ -159,7 +162,8 @@ def equal_reward_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
     """Eq. 10: A_i = (r_i - mean(r)) / (std(r) + eps) within each group of `group_size` contiguous rewards.
 
-    std is the population standard deviation (divide by G), as in the worked example of the seminar notes.
+    std is the population standard deviation (divide by G), as in the worked example of the three algorithms
+    (rewards 2, 10, 3: std 3.559, tests/test_grpo.py).
     Computed in float32 whatever the rewards' dtype; a group whose rewards are all equal gets exactly
     0 (in float32, [0.1] * 8 would otherwise give -0.0075 from the round-off of its mean).
     """
@@ -210,6 +214,9 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float):
     return loss, stats
 
 
+# ----------------------------------------------------------------------------------------------------
+# vLLM's truncated importance sampling (--backend vllm): the sampler is not exactly pi_old
+# ----------------------------------------------------------------------------------------------------
 def engine_correction(advantages, old_logprobs, engine_logprobs, cap: float):
     """vLLM sampled the tokens from pi_vllm (other kernels, maybe another precision), not from pi_old.
     Returns the per-token gap |log pi_old - log pi_vllm| (logged) and, with cap > 0, the advantages
@@ -220,12 +227,17 @@ def engine_correction(advantages, old_logprobs, engine_logprobs, cap: float):
         advantages = (advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages) * gap.exp().clamp(max=cap)
     return advantages, gap.abs()
 
+
 # ----------------------------------------------------------------------------------------------------
 # Update: update_epochs passes of num_minibatches optimizer steps, each accumulated over micro-batches
 # ----------------------------------------------------------------------------------------------------
 def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_logprobs, ref_model,
-                  args: Args, generator: torch.Generator, world: common.Dist) -> dict:
-    """Minimise -eq. 9 (clipped surrogate - beta * k3 KL, sample-level) over the rollout; mean stats.
+                  args: Args, update_rng: torch.Generator, world: common.Dist) -> tuple[dict, int]:
+    """Minimise -eq. 9 (clipped surrogate - beta * k3 KL, sample-level) over the rollout. Returns the
+    update's means under their logged names, and how many optimizer steps a non-finite gradient skipped.
+
+    `old_logprobs`: pi_old's, (B, T); on-policy (one epoch of one minibatch) pi_old is the policy itself,
+    so the update takes them from its own forward pass, detached, and `old_logprobs` is not needed (None).
 
     Every process holds the same number of sequences, and DDP averages gradients over processes, so
     weighting each micro-batch by its share of the local minibatch gives the global sample-level mean:
@@ -233,11 +245,12 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
     """
     mask = rollout.completion_mask.to(torch.float32)
     batch_size = len(advantages)
-    stats_sum: dict[str, float] = {}
+    on_policy = args.update_epochs == 1 and args.num_minibatches == 1
+    means: dict[str, float] = {}
     skipped = 0
     policy.train()
     for _ in range(args.update_epochs):
-        for minibatch in torch.randperm(batch_size, generator=generator).chunk(args.num_minibatches):
+        for minibatch in torch.randperm(batch_size, generator=update_rng).chunk(args.num_minibatches):
             optimizer.zero_grad(set_to_none=True)
             micro_batches = common.micro_batches(rollout, minibatch, args.micro_batch_size,
                                                  args.max_tokens_per_micro_batch, world)
@@ -246,7 +259,7 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
                 with common.gradient_sync(policy, enabled=last):
                     logprobs, entropy = common.completion_logprobs(policy, *mb.inputs(rollout), args.temperature,
                                                                    with_entropy=True)
-                    old = logprobs.detach() if old_logprobs is None else mb(old_logprobs)
+                    old = logprobs.detach() if on_policy else mb(old_logprobs)
                     adv, engine_gap = mb(advantages), None
                     if rollout.logprobs is not None:  # vLLM sampled the tokens
                         adv, engine_gap = engine_correction(adv, old, mb(rollout.logprobs), args.vllm_importance_cap)
@@ -258,25 +271,26 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
                         kl = sequence_mean(kl_k3(logprobs, ref), mb(mask))
                     else:
                         kl = torch.zeros((), device=logprobs.device)
-                    if engine_gap is not None:
-                        stats["vllm_logprob_diff"] = sequence_mean(engine_gap, mb(mask)).item()
                     loss = pg_loss + args.beta * kl
                     (loss * len(mb.idx) / len(minibatch)).backward()
-                stats.update(policy_loss=pg_loss.item(), kl_ref=kl.item(),
-                             entropy=sequence_mean(entropy.detach(), mb(mask)).item())
-                for k, v in stats.items():
-                    stats_sum[k] = stats_sum.get(k, 0.0) + v * len(mb.idx) / (batch_size * args.update_epochs)
+                logged = {"losses/policy_loss": pg_loss.item(), "losses/kl_ref": kl.item(),
+                          "losses/entropy": sequence_mean(entropy.detach(), mb(mask)).item(),
+                          "losses/surrogate": stats["surrogate"], "losses/clipfrac": stats["clipfrac"],
+                          "losses/approx_kl": stats["approx_kl"], "charts/ratio": stats["ratio"]}
+                if engine_gap is not None:
+                    logged["charts/vllm_logprob_diff"] = sequence_mean(engine_gap, mb(mask)).item()
+                for k, v in logged.items():
+                    means[k] = means.get(k, 0.0) + v * len(mb.idx) / (batch_size * args.update_epochs)
             grad_norm = common.clip_grad_norm_(policy, args.max_grad_norm)
             if torch.isfinite(grad_norm):
                 optimizer.step()
             else:  # a NaN/inf gradient never reaches the weights
                 optimizer.zero_grad(set_to_none=True)
                 skipped += 1
-            stats_sum["grad_norm"] = stats_sum.get("grad_norm", 0.0) + grad_norm.item() / (
+            means["losses/grad_norm"] = means.get("losses/grad_norm", 0.0) + grad_norm.item() / (
                 args.num_minibatches * args.update_epochs)
     policy.eval()
-    stats_sum["skipped_updates"] = skipped
-    return stats_sum
+    return means, skipped
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -298,7 +312,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
     """`typed_flags`: the flags typed on the command line, which --resume checks against the run."""
     checkpoint, state = None, None
     if args.resume:  # the run's own configuration, its newest intact checkpoint and that checkpoint's state
-        args, checkpoint, state = common.resume_args(args, Args(), args.resume, "grpo", typed_flags)
+        args, checkpoint, state = common.resume_args(args, Args(), args.resume, SCRIPT, typed_flags)
     check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     if reward_fn is None:  # Countdown (countdown_reward.py)
         reward_fn = lambda rollout, tasks: common.countdown_rewards(  # noqa: E731
@@ -319,23 +333,28 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
     dtype = common.compute_dtype(args.compute_dtype, world.device)  # float32 weights, `dtype` matrix products
     policy = common.load_model(str(checkpoint or model_path), world.device, args.gradient_checkpointing, dtype=dtype)
     ref_model = common.load_model(model_path, world.device, trainable=False, dtype=dtype) if args.beta > 0 else None
-    policy = common.parallelize(policy, world, args.fsdp, args.fsdp_cpu_offload)  # DDP, or FSDP2 with --fsdp
-    ref_model = common.parallelize(ref_model, world, args.fsdp) if ref_model is not None else None
+    policy = common.parallelize(policy, world, args.fsdp, args.fsdp_cpu_offload, dtype)  # DDP, or FSDP2 with --fsdp
+    ref_model = common.parallelize(ref_model, world, args.fsdp, dtype=dtype) if ref_model is not None else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     backend = common.make_backend(args.backend, policy, tokenizer, args, str(checkpoint or model_path), world)
     run_dir = run.create()  # a new run's folder, made once every input has loaded
-    logger = common.RunLogger(run_dir, args, world, "grpo", args.track, args.wandb_project, state and state["step"])
+    logger = common.RunLogger(run_dir, args, world, SCRIPT, args.track, args.wandb_project, state and state["step"])
 
+    # What a checkpoint holds besides the weights; a resumed run restores it and continues as if never stopped
     sampler = common.PromptSampler(train_tasks, args.seed)
-    update_rng = torch.Generator().manual_seed(args.seed)
+    update_rng = torch.Generator().manual_seed(args.seed)  # the update's minibatch order
     stateful = {"optimizer": common.OptimizerState(policy, optimizer), "scheduler": scheduler, "sampler": sampler}
-    control = common.RunControl(args, "grpo", run_dir, world, update_rng, stateful, state)  # resume, stop, save
-    bar, scalars = common.ProgressBar(args.num_steps, world, initial=control.start_step - 1), {}
-    if control.start_step == 1 and args.eval_size:  # step 0: the starting model, so that every curve begins there
+    start_step, skipped_steps, skipped_in_row = 1, 0, 0
+    if state:
+        start_step, skipped_steps = common.restore_trainer_state(state, args.resume, update_rng, **stateful)
+    stop = common.StopRequest()  # Ctrl-C / SIGTERM: finish the step, save, exit
+
+    bar, scalars = common.ProgressBar(args.num_steps, world, initial=start_step - 1), {}
+    if start_step == 1 and args.eval_size:  # step 0: the starting model, so that every curve begins there
         bar.phase("evaluating")
         logger.log(0, common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, world, args.prompt_template))
-    for step in range(control.start_step, args.num_steps + 1):
+    for step in range(start_step, args.num_steps + 1):
         step_start = time.perf_counter()
 
         # ---- Rollout: G completions for each prompt of this process's share --------------------------
@@ -354,7 +373,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
 
         # ---- Advantages (eq. 10) -----------------------------------------------------------------
         advantages = group_advantages(rewards, args.group_size, args.adv_eps)
-        zero_std_groups = equal_reward_groups(rewards, args.group_size).sum().item()
+        equal_groups = equal_reward_groups(rewards, args.group_size)  # no learning signal in these
 
         bar.phase("updating")
         with common.Timer() as update_time, common.out_of_memory_hint("update", args):
@@ -366,45 +385,33 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
                 policy, rollout, args.micro_batch_size, args.temperature)[0]
 
             # ---- Update (eq. 9, 11) --------------------------------------------------------------
-            stats = update_policy(policy, optimizer, rollout, advantages, old_logprobs, ref_model, args,
-                                  update_rng, world)
+            update_means, skipped = update_policy(policy, optimizer, rollout, advantages, old_logprobs, ref_model,
+                                                  args, update_rng, world)
             scheduler.step()
-        if not all(common.weights_finite(m, world) for m in (policy,)):  # a finite gradient times a huge step
+        if not common.weights_finite(policy, world):  # a finite gradient times a huge step
             raise common.RunStopped(f"the weights are not finite after step {step}; the newest checkpoint in "
                                     f"{run_dir} holds the last good ones: lower --learning-rate")
         with common.Timer() as sync_time:  # the generation engine samples from the new weights
             backend.sync_weights(policy)
-        control.count_skipped(step, stats.pop("skipped_updates"), stats, bar)
+        skipped_steps += skipped  # optimizer steps a NaN/inf gradient skipped: they never reached the weights
+        skipped_in_row = skipped_in_row + 1 if skipped else 0
+        if skipped:
+            bar.write(common.skipped_update_message(step, skipped, update_means))
 
-        # ---- Logging -----------------------------------------------------------------------------
+        # ---- Logging: means over every process -------------------------------------------------------
         step_time = time.perf_counter() - step_start
-        totals = common.all_reduce_sums({
-            "reward": rewards.sum().item(), "correct": sum(correct), "well_formed": sum(well_formed),
-            "tokens": rollout.completion_lengths.sum().item(), "sequences": len(rewards),
-            "zero_std_groups": zero_std_groups, "truncated": sum(r == "length" for r in rollout.finish_reasons),
-            "advantage": advantages.sum().item(), "advantage_squared": advantages.pow(2).sum().item(),
-            **{f"update/{k}": v for k, v in stats.items()}}, world)
-        n = totals["sequences"]
-        adv_mean = totals["advantage"] / n
-        scalars = {
-            "charts/reward": totals["reward"] / n,
-            "charts/accuracy": totals["correct"] / n,
-            "charts/format_rate": totals["well_formed"] / n,
-            "charts/response_length": totals["tokens"] / n,
-            "charts/truncated_fraction": totals["truncated"] / n,
-            "charts/zero_std_fraction": totals["zero_std_groups"] / (n / args.group_size),
-            "charts/advantage_mean": adv_mean,
-            "charts/advantage_std": max(totals["advantage_squared"] / n - adv_mean**2, 0.0) ** 0.5,
+        truncated = [r == "length" for r in rollout.finish_reasons]
+        scalars = common.all_reduce_means({
+            "charts/reward": rewards, "charts/accuracy": correct, "charts/format_rate": well_formed,
+            "charts/response_length": rollout.completion_lengths, "charts/truncated_fraction": truncated,
+            "charts/zero_std_fraction": equal_groups, "charts/advantage_mean": advantages}, world)
+        scalars.update(common.average_over_processes(update_means, world), **{
+            "charts/advantage_std": common.all_reduce_std(advantages, world),
             "charts/learning_rate": scheduler.get_last_lr()[0],
-            "charts/tokens_per_second": totals["tokens"] / step_time,
-            "charts/skipped_steps": control.skipped_steps,
-            "time/generation": generation_time.seconds,
-            "time/update": update_time.seconds,
-            "time/weight_sync": sync_time.seconds,
-            "time/step": step_time,
-        }
-        for k in stats:  # the update's means, averaged over processes
-            scalars[("charts/" if k in ("ratio", "vllm_logprob_diff") else "losses/") + k] = totals[f"update/{k}"] / world.world_size
+            "charts/tokens_per_second": scalars["charts/response_length"] * len(rewards) * world.world_size / step_time,
+            "charts/skipped_steps": skipped_steps,
+            "time/generation": generation_time.seconds, "time/update": update_time.seconds,
+            "time/weight_sync": sync_time.seconds, "time/step": step_time})
         if args.eval_size and (args.eval_every and step % args.eval_every == 0 or step == args.num_steps):
             bar.phase("evaluating")
             scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, world,
@@ -414,9 +421,19 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             logger.log_samples(step, [prompts[i // args.group_size] for i in range(len(rewards))], rollout.texts,
                                rewards.tolist())
         bar.show(scalars)
-        save = lambda **kw: common.save_checkpoint(policy, tokenizer, run_dir, step, world,  # noqa: E731
-                                                   keep=args.keep_checkpoints, **kw)
-        if control.end_of_step(step, bar, save):
+
+        # ---- Checkpoint, then stop on a request or after --max-skipped-steps bad steps in a row ----------
+        stopping = stop.requested(world)
+        diverged = skipped_in_row >= args.max_skipped_steps
+        final = step == args.num_steps or stopping or diverged
+        if args.save_every and step % args.save_every == 0 or final:
+            common.save_checkpoint(policy, tokenizer, run_dir, step, world, keep=args.keep_checkpoints, final=final,
+                                   state=common.trainer_state(step, skipped_steps, update_rng, **stateful))
+        if diverged:  # the skipped updates never reached the weights: the checkpoint is the last good state
+            raise common.RunStopped(common.divergence_message(skipped_in_row, args.max_skipped_steps,
+                                                              f"{run_dir}/checkpoint-{step}"))
+        if stopping:
+            bar.write(f"stopped after step {step}; continue with: python {SCRIPT}.py --resume {run_dir}")
             break
 
     bar.close()

@@ -21,6 +21,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Literal
 
 import torch
@@ -28,11 +29,13 @@ import tyro
 
 import common
 
+SCRIPT = Path(__file__).stem  # "ppo": names the run folder and its records, checked on --resume
+
 
 @dataclass
 class Args:
     # Experiment
-    exp_name: str = "ppo"
+    exp_name: str = SCRIPT
     """name of this experiment; the run folder is `<runs_dir>/<exp_name>__<seed>__<unix time>`"""
     seed: int = 1
     """seed of the data order, sampling and initialisation"""
@@ -288,6 +291,9 @@ def value_loss(values, old_values, returns, mask, clip_value: float, num_tokens:
     return loss, stats
 
 
+# ----------------------------------------------------------------------------------------------------
+# vLLM's truncated importance sampling (--backend vllm): the sampler is not exactly pi_old
+# ----------------------------------------------------------------------------------------------------
 def engine_correction(advantages, old_logprobs, engine_logprobs, cap: float):
     """vLLM sampled the tokens from pi_vllm (other kernels, maybe another precision), not from pi_old.
     Returns the per-token gap |log pi_old - log pi_vllm| (logged) and, with cap > 0, the advantages
@@ -298,13 +304,15 @@ def engine_correction(advantages, old_logprobs, engine_logprobs, cap: float):
         advantages = (advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages) * gap.exp().clamp(max=cap)
     return advantages, gap.abs()
 
+
 # ----------------------------------------------------------------------------------------------------
 # Update: update_epochs passes of num_minibatches optimizer steps, each accumulated over micro-batches
 # ----------------------------------------------------------------------------------------------------
 def update_policy(policy, critic, optimizer, critic_optimizer, rollout: common.Rollout, advantages, returns,
-                  old_logprobs, old_values, args: Args, generator: torch.Generator, world: common.Dist,
-                  train_actor: bool = True) -> dict:
-    """Minimise eq. 3: -eq. 7 + vf_coef * eq. 26 - ent_coef * entropy (eq. 4-5), token-level; mean stats.
+                  old_logprobs, old_values, args: Args, update_rng: torch.Generator, world: common.Dist,
+                  train_actor: bool = True) -> tuple[dict, int]:
+    """Minimise eq. 3: -eq. 7 + vf_coef * eq. 26 - ent_coef * entropy (eq. 4-5), token-level. Returns the
+    update's means under their logged names, and how many optimizer steps a non-finite gradient skipped.
 
     Each micro-batch divides its token sums by the token count of the whole minibatch over all
     processes (times the number of processes, which DDP's gradient average divides out), so the
@@ -312,12 +320,12 @@ def update_policy(policy, critic, optimizer, critic_optimizer, rollout: common.R
     """
     mask = rollout.completion_mask.to(torch.float32)
     batch_size = len(advantages)
-    stats_sum: dict[str, float] = {}
+    means: dict[str, float] = {}
     skipped = 0
     policy.train()
     critic.train()
     for _ in range(args.update_epochs):
-        for minibatch in torch.randperm(batch_size, generator=generator).chunk(args.num_minibatches):
+        for minibatch in torch.randperm(batch_size, generator=update_rng).chunk(args.num_minibatches):
             num_tokens = common.all_reduce_sum([mask[minibatch].sum().item()], world)[0] / world.world_size
             optimizer.zero_grad(set_to_none=True)
             critic_optimizer.zero_grad(set_to_none=True)
@@ -328,9 +336,10 @@ def update_policy(policy, critic, optimizer, critic_optimizer, rollout: common.R
                 inputs = mb.inputs(rollout)
                 with common.gradient_sync(critic, enabled=last), common.gradient_sync(policy, enabled=last or not train_actor):
                     values = completion_values(critic, *inputs)
-                    vf_loss, stats = value_loss(values, mb(old_values), mb(returns), mb(mask), args.clip_value,
-                                                num_tokens)
+                    vf_loss, vf_stats = value_loss(values, mb(old_values), mb(returns), mb(mask), args.clip_value,
+                                                   num_tokens)
                     loss = args.vf_coef * vf_loss
+                    logged = {"losses/value_loss": vf_loss.item(), "losses/value_clipfrac": vf_stats["value_clipfrac"]}
                     if train_actor:
                         logprobs, entropy = common.completion_logprobs(policy, *inputs, args.temperature,
                                                                        with_entropy=True,
@@ -341,15 +350,16 @@ def update_policy(policy, critic, optimizer, critic_optimizer, rollout: common.R
                                                                 args.vllm_importance_cap)
                         pg_loss, pg_stats = policy_loss(logprobs, mb(old_logprobs), adv, mb(mask), args.clip_eps,
                                                         num_tokens)
-                        if engine_gap is not None:
-                            pg_stats["vllm_logprob_diff"] = token_mean(engine_gap, mb(mask), num_tokens).item()
                         entropy_bonus = token_mean(entropy, mb(mask), num_tokens)  # eq. 4
                         loss = pg_loss + loss - args.ent_coef * entropy_bonus
-                        stats.update(pg_stats, policy_loss=pg_loss.item(), entropy=entropy_bonus.item())
+                        logged.update({"losses/policy_loss": pg_loss.item(), "losses/entropy": entropy_bonus.item(),
+                                       "losses/surrogate": pg_stats["surrogate"], "losses/clipfrac": pg_stats["clipfrac"],
+                                       "losses/approx_kl": pg_stats["approx_kl"], "charts/ratio": pg_stats["ratio"]})
+                        if engine_gap is not None:
+                            logged["charts/vllm_logprob_diff"] = token_mean(engine_gap, mb(mask), num_tokens).item()
                     loss.backward()
-                stats.update(value_loss=vf_loss.item())
-                for k, v in stats.items():
-                    stats_sum[k] = stats_sum.get(k, 0.0) + v / (args.num_minibatches * args.update_epochs)
+                for k, v in logged.items():
+                    means[k] = means.get(k, 0.0) + v / (args.num_minibatches * args.update_epochs)
             critic_grad_norm = common.clip_grad_norm_(critic, args.max_grad_norm)
             grad_norm = common.clip_grad_norm_(policy, args.max_grad_norm) if train_actor else torch.zeros(())
             if torch.isfinite(grad_norm) and torch.isfinite(critic_grad_norm):
@@ -360,12 +370,11 @@ def update_policy(policy, critic, optimizer, critic_optimizer, rollout: common.R
                 skipped += 1
             optimizer.zero_grad(set_to_none=True)
             critic_optimizer.zero_grad(set_to_none=True)
-            for k, v in (("grad_norm", grad_norm), ("critic_grad_norm", critic_grad_norm)):
-                stats_sum[k] = stats_sum.get(k, 0.0) + v.item() / (args.num_minibatches * args.update_epochs)
+            for k, v in (("losses/grad_norm", grad_norm), ("losses/critic_grad_norm", critic_grad_norm)):
+                means[k] = means.get(k, 0.0) + v.item() / (args.num_minibatches * args.update_epochs)
     policy.eval()
     critic.eval()
-    stats_sum["skipped_updates"] = skipped
-    return stats_sum
+    return means, skipped
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -393,7 +402,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
     """`typed_flags`: the flags typed on the command line, which --resume checks against the run."""
     checkpoint, state = None, None
     if args.resume:  # the run's own configuration, its newest intact checkpoint and that checkpoint's state
-        args, checkpoint, state = common.resume_args(args, Args(), args.resume, "ppo", typed_flags)
+        args, checkpoint, state = common.resume_args(args, Args(), args.resume, SCRIPT, typed_flags)
     check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     if reward_fn is None:  # Countdown (countdown_reward.py)
         reward_fn = lambda rollout, tasks: common.countdown_rewards(  # noqa: E731
@@ -416,27 +425,33 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
     critic = load_value_model(str(checkpoint / "critic") if checkpoint else model_path, world.device,
                                      args.gradient_checkpointing, dtype=dtype)
     ref_model = common.load_model(model_path, world.device, trainable=False, dtype=dtype) if args.beta > 0 else None
-    policy = common.parallelize(policy, world, args.fsdp, args.fsdp_cpu_offload)  # DDP, or FSDP2 with --fsdp
-    ref_model = common.parallelize(ref_model, world, args.fsdp) if ref_model is not None else None
+    policy = common.parallelize(policy, world, args.fsdp, args.fsdp_cpu_offload, dtype)  # DDP, or FSDP2 with --fsdp
+    ref_model = common.parallelize(ref_model, world, args.fsdp, dtype=dtype) if ref_model is not None else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    critic = common.parallelize(critic, world, args.fsdp, args.fsdp_cpu_offload)
+    critic = common.parallelize(critic, world, args.fsdp, args.fsdp_cpu_offload, dtype)
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate,
                                          weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     backend = common.make_backend(args.backend, policy, tokenizer, args, str(checkpoint or model_path), world)
     run_dir = run.create()  # a new run's folder, made once every input has loaded
-    logger = common.RunLogger(run_dir, args, world, "ppo", args.track, args.wandb_project, state and state["step"])
+    logger = common.RunLogger(run_dir, args, world, SCRIPT, args.track, args.wandb_project, state and state["step"])
 
+    # What a checkpoint holds besides the weights; a resumed run restores it and continues as if never stopped
     sampler = common.PromptSampler(train_tasks, args.seed)
-    update_rng = torch.Generator().manual_seed(args.seed)
-    stateful = {"optimizer": common.OptimizerState(policy, optimizer), "critic_optimizer": common.OptimizerState(critic, critic_optimizer), "scheduler": scheduler,
+    update_rng = torch.Generator().manual_seed(args.seed)  # the update's minibatch order
+    stateful = {"optimizer": common.OptimizerState(policy, optimizer),
+                "critic_optimizer": common.OptimizerState(critic, critic_optimizer), "scheduler": scheduler,
                 "sampler": sampler}
-    control = common.RunControl(args, "ppo", run_dir, world, update_rng, stateful, state)  # resume, stop, save
-    bar, scalars = common.ProgressBar(args.num_steps, world, initial=control.start_step - 1), {}
-    if control.start_step == 1 and args.eval_size:  # step 0: the starting model, so that every curve begins there
+    start_step, skipped_steps, skipped_in_row = 1, 0, 0
+    if state:
+        start_step, skipped_steps = common.restore_trainer_state(state, args.resume, update_rng, **stateful)
+    stop = common.StopRequest()  # Ctrl-C / SIGTERM: finish the step, save, exit
+
+    bar, scalars = common.ProgressBar(args.num_steps, world, initial=start_step - 1), {}
+    if start_step == 1 and args.eval_size:  # step 0: the starting model, so that every curve begins there
         bar.phase("evaluating")
         logger.log(0, common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, world, args.prompt_template))
-    for step in range(control.start_step, args.num_steps + 1):
+    for step in range(start_step, args.num_steps + 1):
         step_start = time.perf_counter()
 
         # ---- Rollout: completions for each prompt of this process's share ------------------------------
@@ -473,57 +488,41 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
 
             # ---- Update (eq. 3: eq. 7 + eq. 26 - entropy) ----------------------------------------
             train_actor = step > args.critic_warmup_steps
-            stats = update_policy(policy, critic, optimizer, critic_optimizer, rollout, advantages, returns,
-                                  old_logprobs, old_values, args, update_rng, world, train_actor)
+            update_means, skipped = update_policy(policy, critic, optimizer, critic_optimizer, rollout, advantages,
+                                                  returns, old_logprobs, old_values, args, update_rng, world,
+                                                  train_actor)
             if train_actor:
                 scheduler.step()
-        if not all(common.weights_finite(m, world) for m in (policy, critic)):  # a finite gradient times a huge step
+        if not (common.weights_finite(policy, world) and common.weights_finite(critic, world)):  # a huge step
             raise common.RunStopped(f"the weights are not finite after step {step}; the newest checkpoint in "
                                     f"{run_dir} holds the last good ones: lower --learning-rate")
         with common.Timer() as sync_time:  # the generation engine samples from the new weights
             backend.sync_weights(policy)
-        control.count_skipped(step, stats.pop("skipped_updates"), stats, bar)
+        skipped_steps += skipped  # optimizer steps a NaN/inf gradient skipped: they never reached the weights
+        skipped_in_row = skipped_in_row + 1 if skipped else 0
+        if skipped:
+            bar.write(common.skipped_update_message(step, skipped, update_means))
 
-        # ---- Logging -----------------------------------------------------------------------------
+        # ---- Logging: means over every process, per sequence or per completion token -------------------
         step_time = time.perf_counter() - step_start
-        errors = (returns - old_values) * mask
-        totals = common.all_reduce_sums({
-            "reward": rewards.sum().item(), "correct": sum(correct), "well_formed": sum(well_formed),
-            "tokens": rollout.completion_lengths.sum().item(), "sequences": len(rewards),
-            "truncated": sum(r == "length" for r in rollout.finish_reasons),
-            "advantage": (advantages * mask).sum().item(), "advantage_squared": (advantages.pow(2) * mask).sum().item(),
-            "value": (old_values * mask).sum().item(), "return": (returns * mask).sum().item(),
-            "return_squared": (returns.pow(2) * mask).sum().item(), "error": errors.sum().item(),
-            "error_squared": errors.pow(2).sum().item(),
-            "kl_ref": kl_to_reference(old_logprobs, ref_logprobs, mask).item() * len(rewards),
-            **{f"update/{k}": v for k, v in stats.items()}}, world)
-        n, tokens = totals["sequences"], totals["tokens"]
-        adv_mean = totals["advantage"] / tokens  # per token
-        return_mean = totals["return"] / tokens
-        return_var = totals["return_squared"] / tokens - return_mean**2
-        error_var = totals["error_squared"] / tokens - (totals["error"] / tokens) ** 2
-        scalars = {
-            "charts/reward": totals["reward"] / n,
-            "charts/accuracy": totals["correct"] / n,
-            "charts/format_rate": totals["well_formed"] / n,
-            "charts/response_length": tokens / n,
-            "charts/truncated_fraction": totals["truncated"] / n,
-            "charts/advantage_mean": adv_mean,
-            "charts/advantage_std": max(totals["advantage_squared"] / tokens - adv_mean**2, 0.0) ** 0.5,
-            "charts/value_mean": totals["value"] / tokens,
-            "charts/return_mean": return_mean,
+        tokens = mask.bool()
+        truncated = [r == "length" for r in rollout.finish_reasons]
+        scalars = common.all_reduce_means({
+            "charts/reward": rewards, "charts/accuracy": correct, "charts/format_rate": well_formed,
+            "charts/response_length": rollout.completion_lengths, "charts/truncated_fraction": truncated,
+            "charts/advantage_mean": advantages[tokens], "charts/value_mean": old_values[tokens],
+            "charts/return_mean": returns[tokens]}, world)
+        return_var = common.all_reduce_std(returns[tokens], world) ** 2
+        error_var = common.all_reduce_std((returns - old_values)[tokens], world) ** 2
+        scalars.update(common.average_over_processes({
+            **update_means, "losses/kl_ref": kl_to_reference(old_logprobs, ref_logprobs, mask).item()}, world), **{
+            "charts/advantage_std": common.all_reduce_std(advantages[tokens], world),
             "charts/explained_variance": 1 - error_var / return_var if return_var > 0 else float("nan"),
-            "losses/kl_ref": totals["kl_ref"] / n,
             "charts/learning_rate": scheduler.get_last_lr()[0],
-            "charts/tokens_per_second": tokens / step_time,
-            "charts/skipped_steps": control.skipped_steps,
-            "time/generation": generation_time.seconds,
-            "time/update": update_time.seconds,
-            "time/weight_sync": sync_time.seconds,
-            "time/step": step_time,
-        }
-        for k in stats:  # the update's means, averaged over processes
-            scalars[("charts/" if k in ("ratio", "vllm_logprob_diff") else "losses/") + k] = totals[f"update/{k}"] / world.world_size
+            "charts/tokens_per_second": scalars["charts/response_length"] * len(rewards) * world.world_size / step_time,
+            "charts/skipped_steps": skipped_steps,
+            "time/generation": generation_time.seconds, "time/update": update_time.seconds,
+            "time/weight_sync": sync_time.seconds, "time/step": step_time})
         if args.eval_size and (args.eval_every and step % args.eval_every == 0 or step == args.num_steps):
             bar.phase("evaluating")
             scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, world,
@@ -533,9 +532,19 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             logger.log_samples(step, [prompts[i // args.group_size] for i in range(len(rewards))], rollout.texts,
                                rewards.tolist())
         bar.show(scalars)
-        save = lambda **kw: common.save_checkpoint(policy, tokenizer, run_dir, step, world, critic=critic,  # noqa: E731
-                                                   keep=args.keep_checkpoints, **kw)
-        if control.end_of_step(step, bar, save):
+
+        # ---- Checkpoint, then stop on a request or after --max-skipped-steps bad steps in a row ----------
+        stopping = stop.requested(world)
+        diverged = skipped_in_row >= args.max_skipped_steps
+        final = step == args.num_steps or stopping or diverged
+        if args.save_every and step % args.save_every == 0 or final:
+            common.save_checkpoint(policy, tokenizer, run_dir, step, world, critic=critic, keep=args.keep_checkpoints,
+                                   final=final, state=common.trainer_state(step, skipped_steps, update_rng, **stateful))
+        if diverged:  # the skipped updates never reached the weights: the checkpoint is the last good state
+            raise common.RunStopped(common.divergence_message(skipped_in_row, args.max_skipped_steps,
+                                                              f"{run_dir}/checkpoint-{step}"))
+        if stopping:
+            bar.write(f"stopped after step {step}; continue with: python {SCRIPT}.py --resume {run_dir}")
             break
 
     bar.close()

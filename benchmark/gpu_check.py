@@ -140,7 +140,7 @@ def check_sampler_gap(model_dir: str, device: str) -> dict:
     """HF sampling and the log-prob pass both run the bf16 recipe: how far apart are their log-probs?"""
     model = common.load_model(model_dir, torch.device(device), dtype=torch.bfloat16)
     tokenizer = common.load_tokenizer(model_dir)
-    backend = common.HFBackend(model, tokenizer)
+    backend = common.HFBackend(model, tokenizer, torch.bfloat16)
     prompts = [common.make_prompt(tokenizer, t) for t in common.generate_tasks(4, 0)]
     rollout = backend.generate(prompts, 4, 256, 1.0, seed=0, return_logprobs=True)
     logprobs, _ = common.batched_logprobs(model, rollout, 16)

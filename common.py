@@ -111,7 +111,8 @@ def check_task_args(args) -> None:
     require(args.task_max_numbers >= args.task_min_numbers, "task_max_numbers", args.task_max_numbers,
             f">= --task-min-numbers ({args.task_min_numbers})")
     require(1 <= args.task_max_value <= MAX_TASK_VALUE, "task_max_value", args.task_max_value,
-            f"in [1, {MAX_TASK_VALUE}] (the reward reads numbers of at most {countdown_reward.MAX_LITERAL_DIGITS} digits)")
+            f"in [1, {MAX_TASK_VALUE}] (the reward reads numbers of at most "
+            f"{countdown_reward.MAX_LITERAL_DIGITS} digits)")
     require(bool(args.task_operators) and set(args.task_operators) <= set("+-*/"), "task_operators",
             args.task_operators, "a non-empty subset of '+-*/'")
 
@@ -619,7 +620,8 @@ def parallelize(model, world: Dist, fsdp: bool = False, cpu_offload: bool = Fals
                 dtype: torch.dtype = torch.float32):
     """DDP for a trained model, or FSDP2: `fully_shard` on each decoder layer, then on the whole model,
     float32 weights and gradient reductions with the compute dtype (--compute-dtype) for the
-    gathered parameters, optionally parameters, gradients and optimizer states in CPU memory. A frozen model (the reference) is sharded with --fsdp, else kept as is."""
+    gathered parameters, optionally parameters, gradients and optimizer states in CPU memory. A frozen model
+    (the reference) is sharded with --fsdp, else kept as is."""
     if not world.enabled:
         return model
     trainable = any(p.requires_grad for p in model.parameters())
@@ -779,7 +781,8 @@ def check_task(row, where: str) -> dict:
     nums, target = row["nums"], row["target"]
     is_int = lambda x: isinstance(x, int) and not isinstance(x, bool)  # noqa: E731
     if not isinstance(nums, (list, tuple)) or not nums or not all(is_int(x) and 0 < x <= MAX_TASK_VALUE for x in nums):
-        raise ConfigError(f"{where}: 'nums' must be a non-empty list of integers in [1, {MAX_TASK_VALUE}], got {nums!r}")
+        raise ConfigError(f"{where}: 'nums' must be a non-empty list of integers in [1, {MAX_TASK_VALUE}], "
+                          f"got {nums!r}")
     if not is_int(target) or abs(target) > MAX_TASK_VALUE:
         raise ConfigError(f"{where}: 'target' must be an integer of at most {countdown_reward.MAX_LITERAL_DIGITS} "
                           f"digits, got {target!r}")
@@ -2187,8 +2190,9 @@ def restore_trainer_state(state: dict, resume: str, update_rng: torch.Generator,
 
 
 def skipped_update_message(step: int, skipped: int, stats: dict) -> str:
+    loss, norm = stats.get("losses/policy_loss", float("nan")), stats.get("losses/grad_norm", float("nan"))
     return (f"step {step}: {skipped} optimizer step(s) skipped, the gradient was not finite (policy loss "
-            f"{stats.get('losses/policy_loss', float('nan')):.4g}, grad norm {stats.get('losses/grad_norm', float('nan')):.4g})")
+            f"{loss:.4g}, grad norm {norm:.4g})")
 
 
 def divergence_message(in_row: int, max_skipped_steps: int, checkpoint: str) -> str:

@@ -1,4 +1,5 @@
-"""Paper: "Comparative Analysis and Parametric Tuning of PPO, GRPO, and DAPO for LLM Reasoning Enhancement" (arXiv:2512.07611, https://arxiv.org/abs/2512.07611).
+"""Paper: "Comparative Analysis and Parametric Tuning of PPO, GRPO, and DAPO for LLM Reasoning Enhancement"
+(arXiv:2512.07611, https://arxiv.org/abs/2512.07611).
 
 DAPO on the Countdown game: paper section 2.3, equation 12 (objective), 10 (advantage).
 
@@ -42,7 +43,8 @@ class Args:
     """`bundled-warm` (SmolLM2-135M-Instruct after a format-only warm start, made once), `bundled` (untrained: it
     never writes a well-formed answer), a local HF folder, or a hub id (Qwen/Qwen2.5-1.5B-Instruct)"""
     dataset: str = "generated"
-    """`generated` (offline, solvable tasks), a .jsonl/.parquet file with nums and target, or a hub id (Jiayi-Pan/Countdown-Tasks-3to4)"""
+    """`generated` (offline, solvable tasks), a .jsonl/.parquet file with nums and target, or a hub id
+    (Jiayi-Pan/Countdown-Tasks-3to4)"""
     num_steps: int = 60
     """training steps (one generation batch each)"""
 
@@ -70,14 +72,16 @@ class Args:
     update_epochs: int = 1
     """passes over each generation batch"""
     num_minibatches: int = 2
-    """optimizer steps per pass, each on 1/N of the batch (verl's ppo_mini_batch_size = prompts-per-step / N). After
-    the first, pi_theta has moved from pi_old and clipping acts; 1 epoch of 1 minibatch is on-policy: ratio 1, no clipping"""
+    """optimizer steps per pass, each on 1/N of the batch (verl's ppo_mini_batch_size = prompts-per-step / N).
+    After the first, pi_theta has moved from pi_old and clipping acts; 1 epoch of 1 minibatch is on-policy:
+    ratio 1, no clipping"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
 
     # DAPO's techniques (clip-higher is clip_high above)
     dynamic_sampling: bool = True
-    """drop groups whose completions all score the same and generate more prompts until the step is full (paper's best: off)"""
+    """drop groups whose completions all score the same and generate more prompts until the step is full
+    (paper's best: off)"""
     dynamic_sampling_metric: Literal["accuracy", "reward"] = "accuracy"
     """what dynamic sampling compares: `accuracy` (DAPO, verl's `filter_groups.metric=acc`) drops groups all right or
     all wrong; `reward` drops only groups of equal shaped rewards (format score and overlong penalty count)"""
@@ -104,7 +108,8 @@ class Args:
     prompt_template: Literal["auto", "chat", "base"] = "auto"
     """`auto`: the tokenizer's chat template when it has one, else TinyZero's plain base-model template"""
     test_size: int = 128
-    """held-out tasks never trained on: the last rows of a file; of Jiayi-Pan/Countdown-Tasks-3to4, TinyZero's (the rows after its 327,680 training rows)"""
+    """held-out tasks never trained on: the last rows of a file; of Jiayi-Pan/Countdown-Tasks-3to4, TinyZero's
+    (the rows after its 327,680 training rows)"""
     eval_size: int = 128
     """how many of the held-out tasks each greedy evaluation uses (0: no evaluation, not even at step 0 and the end)"""
     task_min_numbers: int = 2
@@ -449,9 +454,10 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             tasks = sampler.next_batch(args.prompts_per_step, world)
             prompts = [common.make_prompt(tokenizer, t, args.prompt_template) for t in tasks]
             bar.phase("generating")
+            seed = common.generation_seed(args.seed, step, world.rank, batch)
             with common.Timer() as generation_time, common.out_of_memory_hint("generation", args):
                 generated = backend.generate(prompts, args.group_size, args.max_new_tokens, args.temperature,
-                                             args.top_p, seed=common.generation_seed(args.seed, step, world.rank, batch))
+                                             args.top_p, seed=seed)
             group_tasks = [t for t in tasks for _ in range(args.group_size)]
 
             # ---- Reward, with the soft overlong punishment -------------------------------------------

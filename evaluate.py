@@ -129,7 +129,8 @@ def check_args(args: Args) -> None:
     common.check_task_args(args)
     common.require(args.size >= 0, "size", args.size, ">= 0")
     common.require(0 <= args.samples <= MAX_SAMPLES, "samples", args.samples,
-                   f"in [0, {MAX_SAMPLES}] (each generate call holds one task's samples at once; pass@k needs k <= samples)")
+                   f"in [0, {MAX_SAMPLES}] (each generate call holds one task's samples at once; "
+                   f"pass@k needs k <= samples)")
     common.require(args.temperature > 0, "temperature", args.temperature, "> 0 (greedy is always evaluated)")
     common.require(0 < args.top_p <= 1, "top_p", args.top_p, "in (0, 1]")
     common.require(args.batch_size >= 1, "batch_size", args.batch_size, "a positive integer")
@@ -177,7 +178,8 @@ def by_operator_class(details: list[dict]) -> dict:
         entry["tasks"] += 1
         entry["correct"] += row["correct"]
         entry["chosen"][row["chosen_operators"]] = entry["chosen"].get(row["chosen_operators"], 0) + 1
-    return {cls: {"tasks": e["tasks"], "accuracy": e["correct"] / e["tasks"], "chosen": dict(sorted(e["chosen"].items()))}
+    return {cls: {"tasks": e["tasks"], "accuracy": e["correct"] / e["tasks"],
+                  "chosen": dict(sorted(e["chosen"].items()))}
             for cls, e in sorted(table.items())}
 
 

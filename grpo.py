@@ -1,4 +1,5 @@
-"""Paper: "Comparative Analysis and Parametric Tuning of PPO, GRPO, and DAPO for LLM Reasoning Enhancement" (arXiv:2512.07611, https://arxiv.org/abs/2512.07611).
+"""Paper: "Comparative Analysis and Parametric Tuning of PPO, GRPO, and DAPO for LLM Reasoning Enhancement"
+(arXiv:2512.07611, https://arxiv.org/abs/2512.07611).
 
 GRPO on the Countdown game: paper section 2.2, equations 9 (objective), 10 (advantage), 11 (KL).
 
@@ -38,7 +39,8 @@ class Args:
     """`bundled-warm` (SmolLM2-135M-Instruct after a format-only warm start, made once), `bundled` (untrained: it
     never writes a well-formed answer), a local HF folder, or a hub id (Qwen/Qwen2.5-1.5B-Instruct)"""
     dataset: str = "generated"
-    """`generated` (offline, solvable tasks), a .jsonl/.parquet file with nums and target, or a hub id (Jiayi-Pan/Countdown-Tasks-3to4)"""
+    """`generated` (offline, solvable tasks), a .jsonl/.parquet file with nums and target, or a hub id
+    (Jiayi-Pan/Countdown-Tasks-3to4)"""
     num_steps: int = 60
     """training steps (one generation batch each)"""
 
@@ -62,8 +64,9 @@ class Args:
     update_epochs: int = 1
     """passes over each generation batch"""
     num_minibatches: int = 2
-    """optimizer steps per pass, each on 1/N of the batch (verl's ppo_mini_batch_size = prompts-per-step / N). After
-    the first, pi_theta has moved from pi_old and clipping acts; 1 epoch of 1 minibatch is on-policy: ratio 1, no clipping"""
+    """optimizer steps per pass, each on 1/N of the batch (verl's ppo_mini_batch_size = prompts-per-step / N).
+    After the first, pi_theta has moved from pi_old and clipping acts; 1 epoch of 1 minibatch is on-policy:
+    ratio 1, no clipping"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
 
@@ -81,7 +84,8 @@ class Args:
     prompt_template: Literal["auto", "chat", "base"] = "auto"
     """`auto`: the tokenizer's chat template when it has one, else TinyZero's plain base-model template"""
     test_size: int = 128
-    """held-out tasks never trained on: the last rows of a file; of Jiayi-Pan/Countdown-Tasks-3to4, TinyZero's (the rows after its 327,680 training rows)"""
+    """held-out tasks never trained on: the last rows of a file; of Jiayi-Pan/Countdown-Tasks-3to4, TinyZero's
+    (the rows after its 327,680 training rows)"""
     eval_size: int = 128
     """how many of the held-out tasks each greedy evaluation uses (0: no evaluation, not even at step 0 and the end)"""
     task_min_numbers: int = 2

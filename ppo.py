@@ -1,4 +1,5 @@
-"""Paper: "Comparative Analysis and Parametric Tuning of PPO, GRPO, and DAPO for LLM Reasoning Enhancement" (arXiv:2512.07611, https://arxiv.org/abs/2512.07611).
+"""Paper: "Comparative Analysis and Parametric Tuning of PPO, GRPO, and DAPO for LLM Reasoning Enhancement"
+(arXiv:2512.07611, https://arxiv.org/abs/2512.07611).
 
 PPO on the Countdown game: paper section 2.1 and appendix C, equations 3-5 (loss, entropy), 7 (clipped
 objective), 8 (KL penalty in the reward), 21-22 (GAE) and 26 (clipped value loss).
@@ -43,7 +44,8 @@ class Args:
     """`bundled-warm` (SmolLM2-135M-Instruct after a format-only warm start, made once), `bundled` (untrained: it
     never writes a well-formed answer), a local HF folder, or a hub id (Qwen/Qwen2.5-1.5B-Instruct)"""
     dataset: str = "generated"
-    """`generated` (offline, solvable tasks), a .jsonl/.parquet file with nums and target, or a hub id (Jiayi-Pan/Countdown-Tasks-3to4)"""
+    """`generated` (offline, solvable tasks), a .jsonl/.parquet file with nums and target, or a hub id
+    (Jiayi-Pan/Countdown-Tasks-3to4)"""
     num_steps: int = 60
     """training steps (one generation batch each)"""
 
@@ -82,8 +84,9 @@ class Args:
     update_epochs: int = 1
     """passes over each generation batch"""
     num_minibatches: int = 2
-    """optimizer steps per pass, each on 1/N of the batch (verl's ppo_mini_batch_size = prompts-per-step / N). After
-    the first, pi_theta has moved from pi_old and clipping acts; 1 epoch of 1 minibatch is on-policy: ratio 1, no clipping"""
+    """optimizer steps per pass, each on 1/N of the batch (verl's ppo_mini_batch_size = prompts-per-step / N).
+    After the first, pi_theta has moved from pi_old and clipping acts; 1 epoch of 1 minibatch is on-policy:
+    ratio 1, no clipping"""
     max_grad_norm: float = 1.0
     """gradient clipping norm (actor and critic separately)"""
 
@@ -101,7 +104,8 @@ class Args:
     prompt_template: Literal["auto", "chat", "base"] = "auto"
     """`auto`: the tokenizer's chat template when it has one, else TinyZero's plain base-model template"""
     test_size: int = 128
-    """held-out tasks never trained on: the last rows of a file; of Jiayi-Pan/Countdown-Tasks-3to4, TinyZero's (the rows after its 327,680 training rows)"""
+    """held-out tasks never trained on: the last rows of a file; of Jiayi-Pan/Countdown-Tasks-3to4, TinyZero's
+    (the rows after its 327,680 training rows)"""
     eval_size: int = 128
     """how many of the held-out tasks each greedy evaluation uses (0: no evaluation, not even at step 0 and the end)"""
     task_min_numbers: int = 2
@@ -187,7 +191,8 @@ def load_value_model(path: str, device: torch.device, gradient_checkpointing: bo
 def completion_values(critic, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
     """V(s_t) (B, T) for every completion token t: the critic's output at the position that predicts
     token t, i.e. after the prompt and o_<t (the same positions as the log-probs)."""
-    input_ids, attention_mask, position_ids = common.model_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    input_ids, attention_mask, position_ids = common.model_inputs(prompt_ids, prompt_mask, completion_ids,
+                                                                  completion_mask)
     T = completion_ids.shape[1]
     out = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return out.logits[:, -(T + 1):-1, 0].float()
@@ -334,7 +339,8 @@ def update_policy(policy, critic, optimizer, critic_optimizer, rollout: common.R
             for i, mb in enumerate(micro_batches):
                 last = i == len(micro_batches) - 1
                 inputs = mb.inputs(rollout)
-                with common.gradient_sync(critic, enabled=last), common.gradient_sync(policy, enabled=last or not train_actor):
+                with (common.gradient_sync(critic, enabled=last),
+                      common.gradient_sync(policy, enabled=last or not train_actor)):
                     values = completion_values(critic, *inputs)
                     vf_loss, vf_stats = value_loss(values, mb(old_values), mb(returns), mb(mask), args.clip_value,
                                                    num_tokens)
@@ -353,7 +359,8 @@ def update_policy(policy, critic, optimizer, critic_optimizer, rollout: common.R
                         entropy_bonus = token_mean(entropy, mb(mask), num_tokens)  # eq. 4
                         loss = pg_loss + loss - args.ent_coef * entropy_bonus
                         logged.update({"losses/policy_loss": pg_loss.item(), "losses/entropy": entropy_bonus.item(),
-                                       "losses/surrogate": pg_stats["surrogate"], "losses/clipfrac": pg_stats["clipfrac"],
+                                       "losses/surrogate": pg_stats["surrogate"],
+                                       "losses/clipfrac": pg_stats["clipfrac"],
                                        "losses/approx_kl": pg_stats["approx_kl"], "charts/ratio": pg_stats["ratio"]})
                         if engine_gap is not None:
                             logged["charts/vllm_logprob_diff"] = token_mean(engine_gap, mb(mask), num_tokens).item()

@@ -46,7 +46,8 @@ def run_ours(a) -> dict:
     steady = rows[1:] or rows
     sps = statistics.median(r["time/step"] for r in steady)
     mean_len = statistics.mean(r["charts/response_length"] for r in steady)
-    out = {"impl": a.script, "nproc": a.nproc, "micro_batch_size": a.micro, "extra": a.extra, "s_per_step": round(sps, 3),
+    out = {"impl": a.script, "nproc": a.nproc, "micro_batch_size": a.micro, "extra": a.extra,
+           "s_per_step": round(sps, 3),
            "completion_tok_per_s": round(mean_len * a.prompts * a.G / sps, 1), "mean_len": round(mean_len, 1),
            "generation_s": round(statistics.median(r["time/generation"] for r in steady), 3),
            "update_s": round(statistics.median(r["time/update"] for r in steady), 3),
@@ -71,7 +72,7 @@ def update_rate(a, ours: dict) -> dict:
     tasks = common.generate_tasks(32, 0)
     prompt_tokens = sum(len(tokenizer(common.make_prompt(tokenizer, t), add_special_tokens=False).input_ids)
                         for t in tasks) / len(tasks)
-    # grpo.py/dapo.py defaults: one epoch of 4 minibatches (old log-probs needed), a reference when beta > 0
+    # grpo.py/dapo.py defaults: one epoch of 2 minibatches (old log-probs needed), a reference when beta > 0
     passes = {"train": 1, "forward": 1 + int(a.beta > 0)}
     flops = update_flops(path, a.prompts * a.G, prompt_tokens, ours["mean_len"], passes)
     rate = matmul_tflops("cpu", torch.float32, n=2048, repeats=10)
@@ -112,10 +113,10 @@ def main():
             peer = run_peer(a, defaults)
             peer["config"] = "TRL defaults (bf16, gradient checkpointing)" if defaults else "float32, no recomputation"
             print(json.dumps(peer), flush=True)
+            per_token = round(ours["completion_tok_per_s"] / peer["completion_tok_per_s"], 2)
             print(json.dumps({"ratio": f"{a.script} vs TRL, {peer['config']}",
                               "per_step": round(peer["s_per_step"] / ours["s_per_step"], 2),
-                              "per_completion_token": round(ours["completion_tok_per_s"] / peer["completion_tok_per_s"], 2)}),
-                  flush=True)
+                              "per_completion_token": per_token}), flush=True)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ def child(a) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     device = torch.device(a.device)
-    config = Qwen2Config(vocab_size=151936, hidden_size=a.hidden, intermediate_size=a.hidden * 4 if a.hidden < 1000 else 8960,
+    config = Qwen2Config(vocab_size=151936, hidden_size=a.hidden,
+                         intermediate_size=a.hidden * 4 if a.hidden < 1000 else 8960,
                          num_hidden_layers=a.layers, num_attention_heads=max(2, a.hidden // 128),
                          num_key_value_heads=2 if a.hidden >= 256 else 1, tie_word_embeddings=True)
     torch.manual_seed(0)
@@ -90,7 +91,8 @@ def main() -> int:
     for chunk in a.chunks:  # the ru_maxrss high-water mark is per process: one process per setting
         cmd = [sys.executable, __file__, "--chunk", str(chunk)] + [
             x for k, v in vars(a).items() if k not in ("chunk", "chunks", "out", "gradient_checkpointing")
-            for x in (f"--{k.replace('_', '-')}", str(v))] + (["--gradient-checkpointing"] if a.gradient_checkpointing else [])
+            for x in (f"--{k.replace('_', '-')}", str(v))
+        ] + (["--gradient-checkpointing"] if a.gradient_checkpointing else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             line = json.dumps({"chunk": chunk, "error": proc.stderr.strip().splitlines()[-1][:200]})

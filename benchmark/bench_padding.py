@@ -2,7 +2,7 @@
 completions of very different lengths into micro-batches:
 
   rectangle  micro-batches of --micro-batch-size rows in shuffled order, each the whole padded rectangle
-             (what the scripts did before micro-batches were cut to their own lengths)
+             (no column is trimmed: the padding of the whole batch is computed)
   sorted     rows sorted by length, --micro-batch-size rows each, each cut to its longest row (the default)
   packed     sorted and packed up to --max-tokens padded tokens per micro-batch (--max-tokens-per-micro-batch)
 

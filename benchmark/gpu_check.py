@@ -4,7 +4,8 @@ Builds a randomly initialised model of Qwen2.5-1.5B-Instruct's shape (28 layers,
 151,936, tied embeddings) with a generation_config.json that tries to change sampling as Qwen's does, then
 runs ppo.py, grpo.py and dapo.py for a few steps each at the paper's learning rate (1e-6) and completion
 length (1024 new tokens), with fewer prompts per step than the paper's 256 so that the check takes
-minutes, and a dense toy reward (a random model never solves Countdown). For each script it checks that the weights changed (fp32 master weights keep a 1e-6 step), that
+minutes, and a dense toy reward (a random model never solves Countdown). For each script it checks that the
+weights changed (fp32 master weights keep a 1e-6 step), that
 every logged loss is finite, and prints peak GPU memory and seconds per step; then it measures the gap
 between HF sampling and the log-prob pass, both in bf16. One JSON line per check; exit 1 if one failed.
 
@@ -36,7 +37,8 @@ from flops import matmul_tflops, update_flops  # noqa: E402
 QWEN25_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                    num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6,
                    rms_norm_eps=1e-6, tie_word_embeddings=True)
-# per script: its own flags at the paper's values (README "The paper's setup"), fewer prompts per step
+# per script: its own flags at the paper's values (README "The paper's setup"), fewer prompts per step; grpo/dapo
+# keep the scripts' default of 2 minibatches per step (the paper's line in study/run.py uses 4)
 FLAGS = {
     "ppo": dict(prompts_per_step=64, group_size=1, beta=0.001, critic_learning_rate=1e-5, num_minibatches=2),
     "grpo": dict(prompts_per_step=8, group_size=8, beta=0.01),
@@ -48,8 +50,8 @@ def build_model(path: str, tokenizer_dir: str, layers: int, device: str) -> None
     from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = Qwen2Config(**{**QWEN25_1_5B, "num_hidden_layers": layers}, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = Qwen2Config(**{**QWEN25_1_5B, "num_hidden_layers": layers}, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)  # stored in bf16, as the hub's checkpoint is
@@ -88,7 +90,8 @@ def check_script(name: str, model_dir: str, runs_dir: str, steps: int, max_new_t
 
     algo = importlib.import_module(name)
     args = algo.Args(model=model_dir, runs_dir=runs_dir, num_steps=steps, learning_rate=1e-6,
-                     max_new_tokens=max_new_tokens, micro_batch_size=micro_batch_size, eval_every=0, eval_size=0, save_every=0,
+                     max_new_tokens=max_new_tokens, micro_batch_size=micro_batch_size, eval_every=0, eval_size=0,
+                     save_every=0,
                      device=device, compute_dtype="bfloat16", max_tokens_per_micro_batch=max_tokens, **FLAGS[name])
     if name == "dapo":
         args.overlong_buffer = max_new_tokens // 4

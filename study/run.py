@@ -99,8 +99,8 @@ EXPERIMENTS = {
 
 @dataclass
 class Args:
-    experiment: tyro.conf.Positional[Literal["all", "ladder", "algorithms", "entropy", "learning-rate", "group-size", "kl",
-                                             "loss-aggregation", "dynamic-sampling", "dapo-group-size"]]
+    experiment: tyro.conf.Positional[Literal["all", "ladder", "algorithms", "entropy", "learning-rate", "group-size",
+                                             "kl", "loss-aggregation", "dynamic-sampling", "dapo-group-size"]]
     """which figure of the paper's section 3 (or `all`)"""
     scale: Literal["cpu", "paper"] = "cpu"
     """`paper`: the paper's model, data and batch (GPUs); `cpu`: the bundled model, warm-started, a 2-number rung"""

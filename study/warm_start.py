@@ -139,7 +139,8 @@ def main(args: Args) -> str:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise common.ConfigError(f"--out={args.out!r} is not allowed: cannot create its parent ({err.strerror})") from None
+        raise common.ConfigError(f"--out={args.out!r} is not allowed: cannot create its parent "
+                                 f"({err.strerror})") from None
     _, held_out = common.load_countdown("generated", args.test_size, args.seed, train_size=1,
                                         min_numbers=args.task_min_numbers, max_numbers=args.task_max_numbers,
                                         max_value=args.task_max_value, operators=args.task_operators)
@@ -168,7 +169,8 @@ def main(args: Args) -> str:
         optimizer.step()
         print(f"step {step + 1}/{args.num_steps}  loss {loss.item():.3f}  {time.perf_counter() - start:.0f} s",
               flush=True)
-    publish(model, tokenizer, out, {**asdict(args), "examples": len(data), "seconds": round(time.perf_counter() - start)})
+    seconds = round(time.perf_counter() - start)
+    publish(model, tokenizer, out, {**asdict(args), "examples": len(data), "seconds": seconds})
     print(f"warm-started model: {args.out}  (use --model {args.out})")
     return args.out
 

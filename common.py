@@ -1,4 +1,4 @@
-"""What ppo.py, grpo.py and dapo.py share and is not part of any algorithm.
+"""What ppo.py, grpo.py and dapo.py call to train, and is not part of any algorithm.
 
 Models and tokenizers (hub id, local folder, or the bundled SmolLM2), the Countdown data and prompt,
 generation backends, per-token log-probs and entropy, distributed set-up, logging, evaluation and
@@ -266,9 +266,8 @@ def gather_objects(items: list, world: Dist) -> list:
 
 
 def generation_seed(seed: int, step: int, rank: int, batch: int = 0) -> int:
-    """The sampling seed of one generation batch: different for every run seed, step, batch of the step
-    (DAPO's dynamic sampling draws several) and process, and independent of what ran before, so a resumed
-    run samples the same."""
+    """The sampling seed of one generation batch: different for every run seed, step, generation batch of
+    the step and process, and independent of what ran before, so a resumed run samples the same."""
     digest = hashlib.sha256(f"{seed},{step},{batch},{rank}".encode()).digest()
     return int.from_bytes(digest[:4], "little")
 
@@ -1815,15 +1814,15 @@ class HealthCheck:
             found.append(("format", f"no completion was well-formed in {self.patience} steps: check the prompt "
                                     f"template, --max-new-tokens, or try an easier --task-* setting"))
         if scalars.get("charts/truncated_fraction", 0.0) > 0.5:
-            found.append(("truncated", "most completions hit --max-new-tokens: raise it, or see DAPO's "
-                                       "--overlong-buffer and --mask-truncated"))
+            found.append(("truncated", "most completions hit --max-new-tokens: raise it (see README's flags for "
+                                       "what your script does with truncated completions)"))
         entropy = scalars.get("losses/entropy")
         if entropy is not None:
             self.first_entropy = self.first_entropy if self.first_entropy is not None else entropy
             if self.first_entropy > 0 and entropy < 0.1 * self.first_entropy:
                 found.append(("entropy", f"the policy's entropy fell from {self.first_entropy:.3g} to {entropy:.3g} "
                                          f"nats per token: it has nearly stopped exploring (a lower --learning-rate, "
-                                         f"a larger --beta, or --ent-coef in ppo.py/dapo.py)"))
+                                         f"a larger --beta, or an entropy bonus where the script has one)"))
         new = [message for name, message in found if name not in self.said]
         self.said.update(name for name, _ in found)
         return [f"warning: {m}" for m in new]

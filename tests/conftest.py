@@ -1,5 +1,6 @@
 """Shared fixtures and helpers: the bundled tokenizer, tiny randomly initialised models built from a config,
-toy rewards, running a script as a user does, reading its metrics, and running one update under torchrun."""
+a script's Args and command line for a tiny run, toy rewards, running a script as a user does, reading its
+metrics and checkpoint weights, and running one update under torchrun."""
 
 import json
 import math
@@ -69,11 +70,54 @@ def peaked_model_dir(tmp_path_factory, tiny_model_dir) -> str:
     return str(path)
 
 
+# ---- Args and command lines: one tiny configuration ---------------------------------------------------
+TINY = dict(num_steps=1, prompts_per_step=2, group_size=2, max_new_tokens=4, learning_rate=1e-3, num_minibatches=1,
+            eval_every=0, save_every=0, eval_size=1, test_size=8)
+"""A run of seconds on a CPU: 2 prompts x 2 completions of at most 4 tokens per step, one minibatch, one
+evaluation task; evaluated and saved only at the end (the defaults do the same in runs under 10 steps)."""
+
+
+def script_args(module, **fields):
+    """`module.Args(**fields)` (grpo, dapo, ppo, plot, study/...): the one place the tests construct an Args,
+    from flat field names."""
+    return module.Args(**fields)
+
+
+def tiny_args(module, **overrides):
+    """A training script's Args for a tiny run: TINY, then `overrides` (model, runs_dir, what a test is about)."""
+    return script_args(module, **{**TINY, **overrides})
+
+
+def as_flags(**fields) -> list[str]:
+    """The command line that sets `fields`: `--name value`, and `--name` or `--no-name` for a bool."""
+    flags = []
+    for name, value in fields.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def tiny_flags(**overrides) -> list[str]:
+    """tiny_args as a command line."""
+    return as_flags(**{**TINY, **overrides})
+
+
+# ---- Toy rewards -------------------------------------------------------------------------------------
 def even_token_reward(rollout, tasks):
     """Toy reward: the fraction of a completion's tokens whose id is even; correct when all of them are."""
     ids, mask = rollout.completion_ids, rollout.completion_mask
     rewards = (((ids % 2 == 0) & (mask == 1)).sum(-1) / mask.sum(-1)).tolist()
     return rewards, [float(r == 1.0) for r in rewards], [1.0] * len(rewards)
+
+
+def constant_reward(rollout, tasks):
+    """Every completion well-formed and wrong: 0.1 each (the format score), so every group's rewards are
+    equal and its advantage is exactly zero (eq. 10)."""
+    n = len(rollout.texts)
+    return [0.1] * n, [0.0] * n, [1.0] * n
 
 
 def synthetic_rollout(batch_size: int = 8, prompt_len: int = 6, completion_len: int = 7, seed: int = 0):
@@ -111,11 +155,22 @@ def run_script(args, timeout=600, torchrun=False, threads="2"):
                           timeout=timeout)
 
 
-def read_metrics(run_root):
-    """(the only run folder under run_root, its metrics.jsonl rows)."""
-    (run_dir,) = [os.path.join(run_root, d) for d in os.listdir(run_root)]
+def read_metrics(path):
+    """(run folder, its metrics.jsonl rows): `path` is a run folder, or a folder that holds one run folder."""
+    run_dir = str(path)
+    if not os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        (run_dir,) = [os.path.join(path, d) for d in os.listdir(path) if os.path.isdir(os.path.join(path, d))]
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return run_dir, [json.loads(line) for line in f]
+
+
+def checkpoint_weights(folder) -> dict:
+    """{name: tensor} of the weights in a model folder or checkpoint (model.safetensors, or its shards)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(folder).glob("model*.safetensors"))
+    assert files, f"no model*.safetensors in {folder}"
+    return {name: tensor for f in files for name, tensor in load_file(str(f)).items()}
 
 
 # ---- The losses and the update, driven by hand ------------------------------------------------------

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from transformers.modeling_outputs import CausalLMOutput
 
 import common
 import countdown_reward
@@ -99,6 +100,19 @@ def test_logprobs_match_what_generate_sampled_from(tiny_model_dir, tokenizer):
     torch.testing.assert_close(got[mask == 1], expected[mask == 1], atol=1e-4, rtol=1e-4)
 
 
+class GivenLogits(torch.nn.Module):
+    """A 'language model' whose next-token logits at the completion's positions are the given (B, T, V) tensor."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = logits
+
+    def forward(self, input_ids, logits_to_keep=0, **_):
+        B, T, V = self.logits.shape
+        assert logits_to_keep == T + 1  # the positions that predict the completion's tokens, and one more
+        return CausalLMOutput(logits=torch.cat([self.logits, torch.zeros(B, 1, V)], 1))
+
+
 def test_entropy_of_a_uniform_and_a_known_distribution(tiny_model_dir):
     model = common.load_model(tiny_model_dir, torch.device("cpu"))
     with torch.no_grad():
@@ -107,10 +121,21 @@ def test_entropy_of_a_uniform_and_a_known_distribution(tiny_model_dir):
     _, entropy = common.batched_logprobs(model, r, 2, with_entropy=True)
     valid = entropy[r.completion_mask.bool()]  # padding positions are not computed (zero)
     assert valid.tolist() == pytest.approx([math.log(model.config.vocab_size)] * valid.numel(), abs=1e-4)
-    logits = torch.tensor([0.0, math.log(3.0)])  # p = (1/4, 3/4)
-    expected = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
-    log_norm = torch.logsumexp(logits, -1)
-    assert (log_norm - (torch.softmax(logits, -1) * logits).sum()).item() == pytest.approx(expected, abs=1e-6)
+
+    def entropy_of(logits, temperature=1.0):
+        B, T, _ = logits.shape
+        ids = torch.zeros(B, T, dtype=torch.long)
+        _, entropy = common.completion_logprobs(GivenLogits(logits), ids, torch.ones_like(ids), ids,
+                                                torch.ones_like(ids), temperature, with_entropy=True)
+        return entropy
+
+    # p = (1/4, 3/4): H = -(1/4 ln 1/4 + 3/4 ln 3/4)
+    known = entropy_of(torch.tensor([0.0, math.log(3.0)]).expand(1, 2, 2))
+    assert known[0].tolist() == pytest.approx([-(0.25 * math.log(0.25) + 0.75 * math.log(0.75))] * 2, abs=1e-6)
+    # any logits, at a sampling temperature: the entropy of the distribution sampled from, p = softmax(l / T)
+    logits = torch.randn(3, 5, 11, generator=torch.Generator().manual_seed(0)) * 4
+    expected = torch.distributions.Categorical(logits=logits / 0.7).entropy()
+    torch.testing.assert_close(entropy_of(logits, 0.7), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_hf_backend_greedy_is_deterministic_and_masks_after_stop(tiny_model_dir, tokenizer):

@@ -1,18 +1,16 @@
 """dapo.py: equation 12 (clip-higher, token-level aggregation), dynamic sampling and overlong shaping
 against hand-computed values, a learning test, and the update's independence from the split."""
 
-import json
 import math
-import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import common
 import dapo
 import grpo
-from conftest import assert_same_update_for_any_split, even_token_reward, one_token_loss
+from conftest import (assert_same_update_for_any_split, checkpoint_weights, even_token_reward, one_token_loss,
+                      read_metrics, tiny_args)
 
 
 # ---- Eq. 12: clipped surrogate with clip-higher ---------------------------------------------------------
@@ -20,8 +18,9 @@ def dapo_one_token_loss(ratio: float, advantage: float, clip_low: float = 0.2, c
     return one_token_loss(ratio, advantage, clip_low, clip_high, policy_loss=dapo.policy_loss)
 
 
-def test_clip_higher_example_of_concepts():
-    # the seminar notes' worked example: ratio 1.35, A > 0, eps_high 0.28 -> objective 1.28 * A, and no gradient
+def test_clip_higher_worked_example():
+    # the worked example of GRPO's clipping (tests/test_grpo.py), with clip-higher: ratio 1.35, A = +1.43,
+    # eps_high 0.28 -> objective 1.28 * A instead of 1.2 * A, and no gradient
     loss, grad, stats = dapo_one_token_loss(1.35, 1.43)
     assert loss == pytest.approx(-1.28 * 1.43, abs=1e-6)
     assert grad == 0.0 and stats["clipfrac"] == 1.0
@@ -138,12 +137,12 @@ def test_training_batch_takes_the_selected_groups():
 # ---- Learning and the split ------------------------------------------------------------------------
 def test_dapo_learns_a_toy_reward(peaked_model_dir, tmp_path):
     dynamic_sampling = True  # DAPO as defined; with it off the loop is GRPO's with eq. 12
-    args = dapo.Args(model=peaked_model_dir, num_steps=20, prompts_per_step=4, group_size=8, max_new_tokens=8,
-                     learning_rate=3e-3, eval_every=0, save_every=0, eval_size=1, test_size=8,
-                     micro_batch_size=32, runs_dir=str(tmp_path), seed=1, dynamic_sampling=dynamic_sampling,
+    args = tiny_args(dapo, model=peaked_model_dir, num_steps=20, prompts_per_step=4, group_size=8, max_new_tokens=8,
+                     learning_rate=3e-3, num_minibatches=2, micro_batch_size=32, runs_dir=str(tmp_path), seed=1,
+                     dynamic_sampling=dynamic_sampling,
                      dynamic_sampling_metric="reward")  # "accuracy" (all tokens even) is rare at first
     out = dapo.train(args, reward_fn=even_token_reward)
-    rows = [json.loads(line) for line in open(os.path.join(out["run_dir"], "metrics.jsonl"))][1:]  # after step 0
+    rows = read_metrics(out["run_dir"])[1][1:]  # after step 0
     rewards = [r["charts/reward"] for r in rows]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-5:]) / 5
     assert first < 0.65, rewards
@@ -158,11 +157,10 @@ def test_update_is_the_same_for_any_split(tiny_model_dir, tmp_path):
 
 # ---- Mini-batches make clipping act; one on-policy minibatch cannot clip -----------------------------
 def one_step(model_dir, tmp_path, name, **flags):
-    args = dapo.Args(model=model_dir, num_steps=1, prompts_per_step=4, group_size=8, max_new_tokens=8,
-                     learning_rate=1e-3, eval_every=0, save_every=0, eval_size=1, test_size=8, micro_batch_size=32,
+    args = tiny_args(dapo, model=model_dir, prompts_per_step=4, group_size=8, max_new_tokens=8, micro_batch_size=32,
                      runs_dir=str(tmp_path / name), seed=1, dynamic_sampling=False, **flags)
     out = dapo.train(args, reward_fn=even_token_reward)
-    return out, load_file(os.path.join(out["run_dir"], "checkpoint-1", "model.safetensors"))
+    return out, checkpoint_weights(f"{out['run_dir']}/checkpoint-1")
 
 
 def test_minibatches_make_clip_higher_act_and_one_minibatch_does_not(peaked_model_dir, tmp_path):
@@ -187,9 +185,8 @@ def format_only_reward(rollout, tasks):
 
 @pytest.mark.parametrize("metric,dropped", [("accuracy", 1.0), ("reward", 0.0)])
 def test_dynamic_sampling_metric(metric, dropped, tiny_model_dir, tmp_path):
-    args = dapo.Args(model=tiny_model_dir, num_steps=1, prompts_per_step=2, group_size=8, max_new_tokens=4,
-                     eval_every=0, save_every=0, eval_size=1, test_size=8, runs_dir=str(tmp_path),
-                     max_generation_batches=2, dynamic_sampling_metric=metric)
+    args = tiny_args(dapo, model=tiny_model_dir, group_size=8, runs_dir=str(tmp_path), max_generation_batches=2,
+                     dynamic_sampling_metric=metric)
     out = dapo.train(args, reward_fn=format_only_reward)
     assert out["charts/dropped_fraction"] == dropped
     assert out["charts/generation_batches"] == (2 if metric == "accuracy" else 1)

@@ -8,7 +8,7 @@ import pytest
 
 import evaluate
 import grpo
-from conftest import run_script
+from conftest import as_flags, read_metrics, run_script, tiny_args
 
 
 @pytest.mark.parametrize("n,c,k", [(8, 0, 1), (8, 1, 1), (8, 3, 2), (8, 3, 5), (8, 3, 6), (8, 8, 8), (5, 2, 4)])
@@ -22,10 +22,10 @@ def test_pass_at_k_is_the_chance_that_k_drawn_samples_hold_a_correct_one(n, c, k
 def test_a_runs_checkpoint_scores_as_its_final_evaluation(tiny_model_dir, tmp_path):
     """The run's own data settings (not evaluate.py's defaults), its newest checkpoint, the same prompt:
     greedy decoding then gives exactly the numbers the run logged at its last step."""
-    args = grpo.Args(model=tiny_model_dir, num_steps=2, prompts_per_step=2, group_size=2, max_new_tokens=12,
-                     eval_size=6, test_size=6, save_every=1, keep_checkpoints=0, runs_dir=str(tmp_path),
-                     task_min_numbers=2, task_max_numbers=2, task_max_value=20, task_operators="+",
-                     prompt_template="base", learning_rate=1e-3, num_minibatches=1)
+    tasks = dict(test_size=6, max_new_tokens=12, task_min_numbers=2, task_max_numbers=2, task_max_value=20,
+                 task_operators="+", prompt_template="base")
+    args = tiny_args(grpo, model=tiny_model_dir, num_steps=2, eval_size=6, save_every=1, keep_checkpoints=0,
+                     runs_dir=str(tmp_path), **tasks)
     out = grpo.train(args)
     result = run_script(["evaluate.py", out["run_dir"], "--out", str(tmp_path / "eval.jsonl")])
     assert result.returncode == 0, result.stderr[-3000:]
@@ -36,11 +36,9 @@ def test_a_runs_checkpoint_scores_as_its_final_evaluation(tiny_model_dir, tmp_pa
     assert scored["response_length"] == pytest.approx(out["charts/eval_response_length"], abs=1e-9)
     assert json.loads((tmp_path / "eval.jsonl").read_text()) == scored
     # the step-0 row of the run is the starting model: evaluating that model gives the same numbers
-    base = run_script(["evaluate.py", tiny_model_dir, "--test-size", "6", "--max-new-tokens", "12",
-                       "--task-min-numbers", "2", "--task-max-numbers", "2", "--task-max-value", "20",
-                       "--task-operators", "+", "--prompt-template", "base"])
+    base = run_script(["evaluate.py", tiny_model_dir, *as_flags(**tasks)])
     assert base.returncode == 0, base.stderr[-3000:]
-    step0 = json.loads(open(f"{out['run_dir']}/metrics.jsonl").readline())
+    step0 = read_metrics(out["run_dir"])[1][0]
     assert step0["step"] == 0
     assert json.loads(base.stdout.strip().splitlines()[-1])["response_length"] == pytest.approx(
         step0["charts/eval_response_length"], abs=1e-9)

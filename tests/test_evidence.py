@@ -13,7 +13,7 @@ import common
 import countdown_reward
 import grpo
 import ppo
-from conftest import ROOT, read_metrics
+from conftest import ROOT, read_metrics, script_args, tiny_args
 from test_study import load
 
 warm_start = load("warm_start")
@@ -86,7 +86,7 @@ def test_warm_start_answers_do_not_depend_on_which_operator_is_right():
     """On two-number examples the share of `+` answers is the same whether or not the target is the sum:
     the label carries no information about the right operator (the earlier warm start never used `+` where
     `+` was right)."""
-    examples = warm_start.examples(warm_start.Args(), 4000, exclude=set())
+    examples = warm_start.examples(script_args(warm_start), 4000, exclude=set())
     two = [e for e in examples if len(e["nums"]) == 2]
     plus = lambda e: " + " in e["completion"].split("<answer>")[1]  # noqa: E731
     is_sum = [e for e in two if e["target"] == sum(e["nums"])]
@@ -105,7 +105,7 @@ def test_warm_start_never_shows_a_held_out_task():
     _, held_out = common.load_countdown("generated", 64, seed=1, min_numbers=2, max_numbers=3, max_value=99,
                                         operators="+-*/")
     keys = {common.task_key(t) for t in held_out}
-    args = warm_start.Args()
+    args = script_args(warm_start)
     unfiltered = warm_start.examples(args, 3000, exclude=set())
     assert {common.task_key(e) for e in unfiltered} & keys  # the test is able to fail: some collide
     assert not {common.task_key(e) for e in warm_start.examples(args, 3000, exclude=keys)} & keys
@@ -115,13 +115,13 @@ def test_warm_start_keeps_folders_it_did_not_write(tiny_model_dir, tmp_path):
     precious = tmp_path / "precious"
     precious.mkdir()
     (precious / "notes.txt").write_text("keep me")
-    args = warm_start.Args(out=str(precious), model=tiny_model_dir, num_steps=1, batch_size=2)
+    args = script_args(warm_start, out=str(precious), model=tiny_model_dir, num_steps=1, batch_size=2)
     with pytest.raises(common.ConfigError, match="--out=.*not written by study/warm_start.py"):
         warm_start.main(args)
     assert (precious / "notes.txt").read_text() == "keep me"
     out = tmp_path / "warm"
     for _ in range(2):  # the second replaces the first, an earlier warm start
-        warm_start.main(warm_start.Args(out=str(out), model=tiny_model_dir, num_steps=1, batch_size=2))
+        warm_start.main(script_args(warm_start, out=str(out), model=tiny_model_dir, num_steps=1, batch_size=2))
     assert json.loads((out / warm_start.MARKER).read_text())["num_steps"] == 1
     common.check_model_folder(str(out))
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["precious", "warm"]
@@ -148,8 +148,8 @@ def test_evaluate_reports_accuracy_per_operator_class():
 
 def test_a_run_records_its_code_version_and_ppo_logs_kl_to_the_reference(tiny_model_dir, tmp_path):
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = ppo.train(ppo.Args(model=tiny_model_dir, num_steps=1, prompts_per_step=2, max_new_tokens=4,
-                                eval_size=2, test_size=4, runs_dir=str(tmp_path), num_minibatches=1))
+    result = ppo.train(tiny_args(ppo, model=tiny_model_dir, group_size=1, eval_size=2, test_size=4,
+                                 runs_dir=str(tmp_path)))
     saved = json.loads(open(f"{result['run_dir']}/args.json").read())
     (version,) = saved["code_versions"]
     assert version["commit"] == head and isinstance(version["dirty"], bool)
@@ -173,7 +173,5 @@ def test_sizes_are_bounded_by_what_fits_with_the_reason(tmp_path):
         result = subprocess.run([sys.executable, "evaluate.py", "bundled", *flags], cwd=ROOT, capture_output=True,
                                 text=True, timeout=120)
         assert result.returncode == 2 and flags[0] in result.stderr and "Traceback" not in result.stderr
-    import dataclasses
-
     with pytest.raises(common.ConfigError, match="--test-size=1000000000 is not allowed: in \\[1, 100000\\]"):
-        grpo.check_args(dataclasses.replace(grpo.Args(), test_size=10**9, eval_size=1), 1)
+        grpo.check_args(script_args(grpo, test_size=10**9, eval_size=1), 1)

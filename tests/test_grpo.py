@@ -1,9 +1,7 @@
 """grpo.py: equations 9, 10 and 11 against hand-computed values, a learning test, and the update's
 independence from how the batch is split over micro-batches and processes."""
 
-import json
 import math
-import os
 
 import pytest
 import torch
@@ -12,12 +10,14 @@ from hypothesis import strategies as st
 
 import common
 import grpo
-from conftest import assert_same_update_for_any_split, even_token_reward, one_token_loss, run_update
+from conftest import (assert_same_update_for_any_split, even_token_reward, one_token_loss, read_metrics, run_update,
+                      tiny_args)
 
 
 # ---- Eq. 10: group-relative advantages -------------------------------------------------------------
-def test_advantages_match_concepts_worked_example():
-    # the seminar notes' worked example: rewards 2, 10, 3; mean 5; population std sqrt(38/3) = 3.559 ("about 3.5")
+def test_advantages_match_the_worked_example():
+    # the worked example of GRPO's advantage (eq. 10): one group of rewards 2, 10, 3; mean 5; population std
+    # sqrt(38/3) = 3.559 ("about 3.5"); advantages about -0.86, 1.43, -0.57
     adv = grpo.group_advantages(torch.tensor([2.0, 10.0, 3.0]), group_size=3)
     std = math.sqrt(38 / 3)
     assert adv.tolist() == pytest.approx([-3 / std, 5 / std, -2 / std], abs=1e-5)
@@ -47,14 +47,15 @@ def test_kl_k3_values():
 
 # ---- Eq. 9: clipped surrogate, sample-level ---------------------------------------------------------
 def test_clip_upper_bound_with_positive_advantage():
-    # the seminar notes' worked example: ratio 1.35, A = +1.43, eps 0.2 -> objective clip(1.35) * A = 1.2 * 1.43, no gradient
+    # the worked example of GRPO's clipping (eq. 9): ratio 1.35, A = +1.43 (the advantage of reward 10 above),
+    # eps 0.2 -> objective clip(1.35) * A = 1.2 * 1.43, no gradient
     loss, grad, stats = one_token_loss(1.35, 1.43)
     assert loss == pytest.approx(-1.2 * 1.43, abs=1e-6)
     assert grad == 0.0 and stats["clipfrac"] == 1.0
 
 
 def test_clip_lower_bound_with_negative_advantage():
-    # the seminar notes' PPO example, checked against eq. 1: ratio 0.7, A = -2.1:
+    # the worked example of PPO's clipping, checked against eq. 1: ratio 0.7, A = -2.1:
     # min(0.7 * -2.1, 0.8 * -2.1) = min(-1.47, -1.68) = -1.68, the clipped term, so no gradient.
     loss, grad, _ = one_token_loss(0.7, -2.1)
     assert loss == pytest.approx(1.68, abs=1e-6)
@@ -99,11 +100,10 @@ def test_sample_level_aggregation_weights_each_sequence_equally():
 
 # ---- Learning: a tiny model improves on a toy reward ------------------------------------------------
 def test_grpo_learns_a_toy_reward(peaked_model_dir, tmp_path):
-    args = grpo.Args(model=peaked_model_dir, num_steps=20, prompts_per_step=4, group_size=8, max_new_tokens=8,
-                     learning_rate=1e-3, beta=0.0, eval_every=0, save_every=0, eval_size=1, test_size=8,
-                     micro_batch_size=32, runs_dir=str(tmp_path), seed=1)
+    args = tiny_args(grpo, model=peaked_model_dir, num_steps=20, prompts_per_step=4, group_size=8, max_new_tokens=8,
+                     num_minibatches=2, beta=0.0, micro_batch_size=32, runs_dir=str(tmp_path), seed=1)
     out = grpo.train(args, reward_fn=even_token_reward)
-    rows = [json.loads(line) for line in open(os.path.join(out["run_dir"], "metrics.jsonl"))]
+    _, rows = read_metrics(out["run_dir"])
     rewards = [r["charts/reward"] for r in rows if r["step"] >= 1]  # step 0 is the starting model's evaluation
     first, last = sum(rewards[:3]) / 3, sum(rewards[-5:]) / 5
     assert first < 0.65, rewards
@@ -124,11 +124,18 @@ def test_update_is_the_same_for_any_split(tiny_model_dir, tmp_path):
 @given(group_size=st.integers(2, 64), value=st.floats(-100, 100, allow_nan=False, width=32),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), other=st.floats(-100, 100, width=32))
 def test_groups_of_equal_rewards_get_exactly_zero_advantage(group_size, value, dtype, other):
-    # two groups: one of equal rewards, one whose last reward differs
-    rewards = torch.tensor([value] * group_size + [value] * (group_size - 1) + [other]).to(dtype)
+    # three groups: equal rewards; equal but the last, moved by at least 1/64 of the value (bfloat16's spacing is
+    # at most 1/128 of it) so that it differs in either dtype; equal but the last, `other` (equal or not once rounded)
+    apart = value + max(abs(value) / 64, 0.01)
+    rewards = torch.tensor([value] * group_size + [value] * (group_size - 1) + [apart]
+                           + [value] * (group_size - 1) + [other]).to(dtype)
     adv = grpo.group_advantages(rewards, group_size)
-    assert adv[:group_size].tolist() == [0.0] * group_size
-    assert grpo.equal_reward_groups(rewards, group_size).tolist() == [True, bool(rewards[-1] == rewards[0])]
+    equal = grpo.equal_reward_groups(rewards, group_size).tolist()
+    assert adv[:group_size].tolist() == [0.0] * group_size and equal[0] is True
+    assert equal[1] is False and (adv[group_size:2 * group_size] != 0).any()  # a reward that differs: a signal
+    if other == value or dtype == torch.float32:  # both drawn as float32 values: float32 keeps them as they are
+        assert equal[2] is (other == value)
+    assert equal[2] is bool((adv[2 * group_size:] == 0).all())  # no signal exactly where the group counts as equal
     assert torch.isfinite(adv).all()
 
 

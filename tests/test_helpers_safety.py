@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 import common
 import countdown_reward
 import evaluate
-from conftest import ROOT
+from conftest import ROOT, checkpoint_weights
 
 
 def one_line(err) -> str:
@@ -161,7 +161,7 @@ def test_a_deeply_nested_args_json_is_one_line(tmp_path):
 def sharded_copy(tiny_model_dir: str, path: Path) -> Path:
     """The tiny model as transformers writes a large one: two shards and model.safetensors.index.json."""
     shutil.copytree(tiny_model_dir, path, ignore=shutil.ignore_patterns("model.safetensors"))
-    tensors = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    tensors = checkpoint_weights(tiny_model_dir)
     names = sorted(tensors)
     weight_map = {}
     for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):

@@ -17,18 +17,15 @@ import common
 import dapo
 import grpo
 import ppo
-from conftest import ROOT, even_token_reward
+from conftest import ROOT, even_token_reward, read_metrics, script_args, tiny_args
 from conftest import run_script as cli
-
-TINY = dict(prompts_per_step=2, group_size=2, max_new_tokens=4, eval_every=0, eval_size=1, test_size=8,
-            learning_rate=1e-3, num_minibatches=1)
 
 
 @pytest.fixture
 def finished_run(tiny_model_dir, tmp_path) -> str:
     """A finished 2-step GRPO run with a checkpoint after each step."""
-    args = grpo.Args(model=tiny_model_dir, runs_dir=str(tmp_path / "runs"), num_steps=2, save_every=1,
-                     keep_checkpoints=0, **TINY)
+    args = tiny_args(grpo, model=tiny_model_dir, runs_dir=str(tmp_path / "runs"), num_steps=2, save_every=1,
+                     keep_checkpoints=0)
     return grpo.train(args, reward_fn=even_token_reward)["run_dir"]
 
 
@@ -40,12 +37,13 @@ def test_typed_flags_are_read_from_the_command_line():
 
 def test_a_flag_typed_at_its_default_value_still_counts(finished_run):
     run_args = json.loads(Path(finished_run, "args.json").read_text())
-    assert run_args["learning_rate"] == 1e-3 and grpo.Args().learning_rate == 1e-5
+    assert run_args["learning_rate"] == 1e-3 and script_args(grpo).learning_rate == 1e-5
     result = cli(["grpo.py", "--resume", finished_run, "--num-steps", "3", "--learning-rate", "1e-5"])
     assert result.returncode == 2
     assert "--learning-rate=1e-05 is not allowed with --resume: the run was started with 0.001" in result.stderr
     # --num-steps at its default (60) extends the run: it is what the user typed
-    extended, _, _ = common.resume_args(grpo.Args(resume=finished_run), grpo.Args(), finished_run, "grpo", {"num_steps"})
+    extended, _, _ = common.resume_args(script_args(grpo, resume=finished_run), script_args(grpo), finished_run, "grpo",
+                                        {"num_steps"})
     assert extended.num_steps == 60 and extended.learning_rate == 1e-3
 
 
@@ -141,12 +139,13 @@ def test_broken_parquet_files_and_folders_get_one_line(tmp_path):
 # ---- 6, 9. Every flag checked up front ---------------------------------------------------------------
 @pytest.mark.parametrize("algo", [grpo, dapo, ppo])
 def test_every_float_flag_refuses_nan_and_infinity(algo):
-    floats = [f.name for f in dataclasses.fields(algo.Args) if isinstance(getattr(algo.Args(), f.name), float)]
+    defaults = script_args(algo)
+    floats = [f.name for f in dataclasses.fields(defaults) if isinstance(getattr(defaults, f.name), float)]
     assert "learning_rate" in floats and len(floats) >= 8
     for name in floats:
         for bad in (math.nan, math.inf, -math.inf):
             with pytest.raises(common.ConfigError, match=f"--{name.replace('_', '-')}=.* a finite number"):
-                algo.check_args(dataclasses.replace(algo.Args(), **{name: bad}), 1)
+                algo.check_args(script_args(algo, **{name: bad}), 1)
 
 
 @pytest.mark.parametrize("algo", [grpo, dapo, ppo])
@@ -162,7 +161,7 @@ def test_every_float_flag_refuses_nan_and_infinity(algo):
 ])
 def test_bad_flags_stop_before_anything_loads(algo, flags, message):
     with pytest.raises(common.ConfigError, match=message):
-        algo.check_args(dataclasses.replace(algo.Args(), **flags), 1)
+        algo.check_args(script_args(algo, **flags), 1)
 
 
 def test_non_finite_weights_are_detected(tiny_model_dir):
@@ -200,14 +199,14 @@ def broken_model(tiny_model_dir, tmp_path, damage) -> str:
      "the folder has no tokenizer"),
 ])
 def test_a_broken_model_folder_gets_one_line_and_leaves_no_run_folder(damage, message, tiny_model_dir, tmp_path):
-    args = grpo.Args(model=broken_model(tiny_model_dir, tmp_path, damage), runs_dir=str(tmp_path / "runs"), **TINY)
+    args = tiny_args(grpo, model=broken_model(tiny_model_dir, tmp_path, damage), runs_dir=str(tmp_path / "runs"))
     with pytest.raises(common.ConfigError, match=f"--model=.* is not allowed: .*{message}"):
         grpo.train(args)
     assert not os.path.exists(tmp_path / "runs")
 
 
 def test_a_missing_dataset_leaves_no_run_folder(tiny_model_dir, tmp_path):
-    args = grpo.Args(model=tiny_model_dir, runs_dir=str(tmp_path / "runs"), dataset=str(tmp_path / "no.jsonl"), **TINY)
+    args = tiny_args(grpo, model=tiny_model_dir, runs_dir=str(tmp_path / "runs"), dataset=str(tmp_path / "no.jsonl"))
     with pytest.raises(common.ConfigError, match="does not exist"):
         grpo.train(args)
     assert not os.path.exists(tmp_path / "runs")
@@ -215,7 +214,7 @@ def test_a_missing_dataset_leaves_no_run_folder(tiny_model_dir, tmp_path):
 
 def test_an_unwritable_runs_dir_gets_one_line(tiny_model_dir, tmp_path):
     (tmp_path / "file").write_text("")
-    args = grpo.Args(model=tiny_model_dir, runs_dir=str(tmp_path / "file" / "runs"), num_steps=1, **TINY)
+    args = tiny_args(grpo, model=tiny_model_dir, runs_dir=str(tmp_path / "file" / "runs"))
     with pytest.raises(common.ConfigError, match="--runs-dir=.* cannot create a run folder there"):
         grpo.train(args, reward_fn=even_token_reward)
 
@@ -259,7 +258,7 @@ def test_a_torn_metrics_line_does_not_block_resume(finished_run):
         f.write('{"step": 3, "charts/rew')
     result = cli(["grpo.py", "--resume", finished_run, "--num-steps", "2"])
     assert result.returncode == 0, result.stderr[-2000:]
-    steps = [json.loads(line)["step"] for line in open(Path(finished_run, "metrics.jsonl"))]
+    steps = [row["step"] for row in read_metrics(finished_run)[1]]
     assert steps == [0, 1, 2]
 
 
@@ -267,7 +266,8 @@ def test_a_torn_metrics_line_does_not_block_resume(finished_run):
 def test_a_missing_or_corrupt_args_json_is_one_line(damage, finished_run):
     damage(Path(finished_run, "args.json"))
     with pytest.raises(common.ConfigError, match="args.json is missing or not a JSON object"):
-        common.resume_args(grpo.Args(resume=finished_run), grpo.Args(), finished_run, "grpo", {"num_steps"})
+        common.resume_args(script_args(grpo, resume=finished_run), script_args(grpo), finished_run, "grpo",
+                           {"num_steps"})
 
 
 # ---- 13. A full disk loses no work ----------------------------------------------------------------------
@@ -284,14 +284,14 @@ def small_disk(tmp_path):
 
 
 def test_a_full_disk_keeps_the_last_checkpoint_and_says_so(tiny_model_dir, small_disk, capfd):
-    args = grpo.Args(model=tiny_model_dir, runs_dir=str(small_disk), num_steps=3, save_every=1, keep_checkpoints=2,
-                     **TINY)
+    args = tiny_args(grpo, model=tiny_model_dir, runs_dir=str(small_disk), num_steps=3, save_every=1,
+                     keep_checkpoints=2)
     with pytest.raises(common.RunStopped, match=r"cannot write .*checkpoint-3 \(disk full.*the previous checkpoint is intact"):
         grpo.train(args, reward_fn=even_token_reward)
     assert "checkpoint-2 (disk full" in capfd.readouterr().err  # a failed save mid-run: said, and training went on
     (run_dir,) = [p for p in small_disk.iterdir() if p.is_dir()]
     assert [p.name for p in common.complete_checkpoints(run_dir)] == ["checkpoint-1"]
     assert not list(run_dir.glob("*.tmp"))
-    assert [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert [row["step"] for row in read_metrics(run_dir)[1]] == [0, 1, 2, 3]
     checkpoint, state = common.find_checkpoint(str(run_dir))  # and it resumes from there
     assert state["step"] == 1

@@ -7,14 +7,15 @@ import pytest
 import common
 import grpo
 import plot
+from conftest import script_args, tiny_args
 
 
 @pytest.fixture(scope="module")
 def two_runs(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("study")
     for group_size in (2, 4):
-        grpo.train(grpo.Args(model=tiny_model_dir, num_steps=2, prompts_per_step=2, group_size=group_size,
-                             max_new_tokens=6, eval_size=2, test_size=4, runs_dir=str(root), num_minibatches=1))
+        grpo.train(tiny_args(grpo, model=tiny_model_dir, num_steps=2, group_size=group_size, max_new_tokens=6,
+                             eval_size=2, test_size=4, runs_dir=str(root)))
     return root
 
 
@@ -37,7 +38,7 @@ GRPO = dict(script="grpo", learning_rate=3e-5, seed=1, exp_name="grpo", task_min
 
 
 def test_runs_are_plotted_and_labelled_by_the_flags_that_differ(two_runs, tmp_path):
-    out = plot.plot(plot.Args(runs=[str(two_runs)], out=str(tmp_path / "fig.png"), smooth=0.5))
+    out = plot.plot(script_args(plot, runs=[str(two_runs)], out=str(tmp_path / "fig.png"), smooth=0.5))
     assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     runs = plot.find_runs([str(two_runs)])
     assert sorted(plot.labels(plot.group_by_seed(runs))) == ["grpo group_size=2", "grpo group_size=4"]
@@ -64,7 +65,7 @@ def test_smoothing_is_tensorboards_debiased_average():
     (dict(out="fig.jpg"), "--out='fig.jpg' is not allowed: a file name ending in .png, .pdf or .svg"),
 ])
 def test_bad_input_is_a_one_line_error(flags, message, two_runs, tmp_path):
-    args = plot.Args(**{"runs": [str(two_runs)], "out": str(tmp_path / "f.png"), **flags})
+    args = script_args(plot, **{"runs": [str(two_runs)], "out": str(tmp_path / "f.png"), **flags})
     with pytest.raises(common.ConfigError, match=message):
         plot.plot(args)
 
@@ -79,7 +80,7 @@ def test_non_numeric_values_and_a_non_object_args_json_are_skipped(tmp_path):
     kept = [None, None, 0.5, None, float("inf"), None, None]  # step "3" is no step; inf is a number, never drawn
     assert [r.get("charts/reward") for r in plot.read_rows(run)] == kept
     assert plot.load_args(run) == {}
-    out = plot.plot(plot.Args(runs=[str(tmp_path / "runs")], out=str(tmp_path / "f.png")))
+    out = plot.plot(script_args(plot, runs=[str(tmp_path / "runs")], out=str(tmp_path / "f.png")))
     assert open(out, "rb").read(4) == b"\x89PNG"
 
 
@@ -97,14 +98,14 @@ def test_a_bad_out_is_refused_before_plotting(out, message, tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(plot, "figure", lambda args: pytest.fail("plotted before checking --out"))
     with pytest.raises(common.ConfigError, match=f"^--out=.* is not allowed: {message}"):
-        plot.plot(plot.Args(runs=[str(tmp_path / "a")], out=out))
+        plot.plot(script_args(plot, runs=[str(tmp_path / "a")], out=out))
     assert not (tmp_path / "missing").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["a", "folder.png"]
 
 
 @pytest.mark.parametrize("suffix,magic", [(".png", b"\x89PNG"), (".pdf", b"%PDF"), (".SVG", b"<?xml")])
 def test_the_suffix_of_out_picks_the_format(suffix, magic, tmp_path):
     write_run(tmp_path, "a", GRPO, [{"step": 0, "charts/reward": 0.1}, {"step": 1, "charts/reward": 0.2}])
-    out = plot.plot(plot.Args(runs=[str(tmp_path / "a")], out=str(tmp_path / f"fig{suffix}")))
+    out = plot.plot(script_args(plot, runs=[str(tmp_path / "a")], out=str(tmp_path / f"fig{suffix}")))
     data = open(out, "rb").read()
     assert data.startswith(magic) and (suffix != ".SVG" or b"<svg" in data[:1000])
 
@@ -112,7 +113,7 @@ def test_the_suffix_of_out_picks_the_format(suffix, magic, tmp_path):
 def test_every_run_is_in_the_legend_even_without_an_eval_accuracy_panel(tmp_path):
     write_run(tmp_path, "evals", GRPO, [{"step": 0, "charts/eval_accuracy": 0.1, "charts/reward": 0.2}])
     write_run(tmp_path, "no_evals", {**GRPO, "learning_rate": 1e-5}, [{"step": 0, "charts/reward": 0.3}])
-    fig = plot.figure(plot.Args(runs=[str(tmp_path)]))
+    fig = plot.figure(script_args(plot, runs=[str(tmp_path)]))
     assert legend(fig) == ["grpo learning_rate=3e-05", "grpo learning_rate=1e-05"]
 
 
@@ -123,7 +124,7 @@ def test_seeds_of_one_setting_are_one_mean_line_with_a_min_max_band(tmp_path):
     write_run(tmp_path, "other", {**GRPO, "learning_rate": 1e-5}, [{"step": 0, "charts/reward": 0.5}])
     (tmp_path / "grpo__3" / "metrics.jsonl").write_text("".join(  # the third seed is still at step 2
         json.dumps({"step": s, "charts/reward": 0.6 * s}) + "\n" for s in range(3)))
-    fig = plot.figure(plot.Args(runs=[str(tmp_path)], metrics=["charts/reward"]))
+    fig = plot.figure(script_args(plot, runs=[str(tmp_path)], metrics=["charts/reward"]))
     assert legend(fig) == ["grpo learning_rate=3e-05 (3 seeds)", "grpo learning_rate=1e-05"]
     panel = fig.axes[0]
     mean = panel.lines[0]
@@ -145,14 +146,14 @@ def test_accuracy_panels_show_the_baselines(tmp_path):
             {"step": 2, "charts/eval_accuracy": 0.4, "charts/eval_best_constant": 0.9,
              "charts/eval_uniform_guess": 0.9}]
     write_run(tmp_path, "a", GRPO, rows)
-    fig = plot.figure(plot.Args(runs=[str(tmp_path)], metrics=["charts/eval_accuracy", "charts/reward"]))
+    fig = plot.figure(script_args(plot, runs=[str(tmp_path)], metrics=["charts/eval_accuracy", "charts/reward"]))
     accuracy, reward = fig.axes[:2]
     flat = {(line.get_linestyle(), tuple(line.get_ydata())) for line in accuracy.lines}
     assert {("--", (0.25, 0.25)), (":", (0.05, 0.05))} <= flat
     assert len(reward.lines) == 1
     assert legend(fig) == ["grpo", "best constant answer", "uniform guess"]
     write_run(tmp_path / "none", "b", GRPO, [{"step": 0, "charts/eval_accuracy": 0.1}])  # none logged: no lines
-    fig = plot.figure(plot.Args(runs=[str(tmp_path / "none")]))
+    fig = plot.figure(script_args(plot, runs=[str(tmp_path / "none")]))
     assert len(fig.axes[0].lines) == 1 and legend(fig) == ["grpo"]
 
 
@@ -160,7 +161,7 @@ def test_panels_have_readable_titles_and_axis_labels(tmp_path):
     metrics = ["charts/eval_accuracy", "charts/accuracy", "losses/kl_ref", "losses/entropy", "losses/clipfrac",
                "charts/response_length", "charts/reward", "charts/custom"]
     write_run(tmp_path, "a", GRPO, [{"step": 0, **{m: 0.5 for m in metrics}}])
-    fig = plot.figure(plot.Args(runs=[str(tmp_path)], metrics=metrics))
+    fig = plot.figure(script_args(plot, runs=[str(tmp_path)], metrics=metrics))
     assert [panel.get_title() for panel in fig.axes[:8]] == [
         "Held-out greedy accuracy", "Training accuracy", "KL to the reference", "Entropy (nats/token)",
         "Clip fraction", "Response length (tokens)", "Reward", "charts/custom"]
@@ -182,11 +183,12 @@ def test_task_settings_are_named_as_rungs_and_other_flags_as_name_value(tmp_path
 def test_fifty_runs_get_distinct_colour_and_style_pairs_and_a_warning(tmp_path, capsys):
     for i in range(50):
         write_run(tmp_path, f"run{i:02d}", {**GRPO, "learning_rate": i}, [{"step": 0, "charts/reward": i / 50}])
-    fig = plot.figure(plot.Args(runs=[str(tmp_path)], metrics=["charts/reward"]))
+    fig = plot.figure(script_args(plot, runs=[str(tmp_path)], metrics=["charts/reward"]))
     handles = fig.legends[0].legend_handles
     assert len({(h.get_color(), h.get_linestyle()) for h in handles}) == 50 == len(legend(fig))
     assert len({h.get_color() for h in handles}) == 20
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "50 lines per panel" in err and "fewer runs" in err
-    fig = plot.figure(plot.Args(runs=[str(tmp_path / f"run{i:02d}") for i in range(20)], metrics=["charts/reward"]))
+    fig = plot.figure(script_args(plot, runs=[str(tmp_path / f"run{i:02d}") for i in range(20)],
+                                  metrics=["charts/reward"]))
     assert capsys.readouterr().err == ""

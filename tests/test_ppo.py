@@ -2,9 +2,7 @@
 entropy (eq. 5) and the clipped objective (eq. 7) against hand-computed values; a learning test; the
 update's independence from the split."""
 
-import json
 import math
-import os
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ from transformers.modeling_outputs import CausalLMOutput
 
 import common
 import ppo
-from conftest import assert_same_update_for_any_split, even_token_reward
+from conftest import assert_same_update_for_any_split, even_token_reward, read_metrics, tiny_args
 
 REWARDS = torch.tensor([[0.0, 0.0, 1.0]])
 VALUES = torch.tensor([[0.5, 0.2, 0.4]])
@@ -85,8 +83,9 @@ def test_value_clipping_takes_the_larger_error():
 
 
 # ---- Eq. 7: clipped objective with per-token advantages ----------------------------------------------
-def test_concepts_ppo_clipping_example():
-    # ratio 0.7, A = -2.1, eps 0.2: min(-1.47, -1.68) = -1.68, clipped, no gradient
+def test_ppo_clipping_worked_example():
+    # the worked example of PPO's clipping: ratio 0.7, A = -2.1, eps 0.2: min(-1.47, -1.68) = -1.68, clipped,
+    # no gradient
     logprobs = torch.tensor([[math.log(0.7)]], requires_grad=True)
     loss, stats = ppo.policy_loss(logprobs, torch.zeros(1, 1), torch.tensor([[-2.1]]), torch.ones(1, 1), 0.2)
     loss.backward()
@@ -134,11 +133,11 @@ def test_whiten_uses_only_valid_tokens():
 
 # ---- Learning and the split ------------------------------------------------------------------------------
 def test_ppo_learns_a_toy_reward_and_its_critic_improves(peaked_model_dir, tmp_path):
-    args = ppo.Args(model=peaked_model_dir, num_steps=20, prompts_per_step=16, group_size=2, max_new_tokens=8,
-                    learning_rate=3e-3, critic_learning_rate=1e-3, critic_warmup_steps=2, beta=0.0, eval_every=0,
-                    save_every=0, eval_size=1, test_size=8, micro_batch_size=32, runs_dir=str(tmp_path), seed=1)
+    args = tiny_args(ppo, model=peaked_model_dir, num_steps=20, prompts_per_step=16, max_new_tokens=8,
+                     learning_rate=3e-3, num_minibatches=2, critic_learning_rate=1e-3, critic_warmup_steps=2, beta=0.0,
+                     micro_batch_size=32, runs_dir=str(tmp_path), seed=1)
     out = ppo.train(args, reward_fn=even_token_reward)
-    rows = [json.loads(line) for line in open(os.path.join(out["run_dir"], "metrics.jsonl"))]  # rows[0]: step 0
+    _, rows = read_metrics(out["run_dir"])  # rows[0]: step 0
     rewards = [r["charts/reward"] for r in rows[1:]]
     assert sum(rewards[:3]) / 3 < 0.65, rewards
     assert sum(rewards[-5:]) / 5 > 0.85, rewards

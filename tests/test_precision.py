@@ -1,15 +1,14 @@
 """The GPU precision recipe, run on the CPU (bf16 autocast works there): float32 master weights keep the
 paper's 1e-6 updates that bfloat16 weights round away, and the forward really runs in bfloat16."""
 
-import os
+import typing
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import common
 import grpo
-from conftest import even_token_reward
+from conftest import checkpoint_weights, constant_reward, even_token_reward, tiny_args
 
 STEPS = 3
 
@@ -20,12 +19,11 @@ def changed_fraction(before: dict, after: dict) -> float:
 
 
 def test_bf16_compute_with_fp32_weights_keeps_every_update_at_lr_1e6(tiny_model_dir, tmp_path):
-    args = grpo.Args(model=tiny_model_dir, compute_dtype="bfloat16", learning_rate=1e-6, num_steps=STEPS,
-                     prompts_per_step=2, group_size=4, max_new_tokens=8, beta=0.01, eval_every=0, save_every=0,
-                     eval_size=1, test_size=8, runs_dir=str(tmp_path), seed=3)
+    args = tiny_args(grpo, model=tiny_model_dir, compute_dtype="bfloat16", learning_rate=1e-6, num_steps=STEPS,
+                     group_size=4, max_new_tokens=8, num_minibatches=2, beta=0.01, runs_dir=str(tmp_path), seed=3)
     out = grpo.train(args, reward_fn=even_token_reward)
-    after = load_file(os.path.join(out["run_dir"], f"checkpoint-{STEPS}", "model.safetensors"))
-    before = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    after = checkpoint_weights(f"{out['run_dir']}/checkpoint-{STEPS}")
+    before = checkpoint_weights(tiny_model_dir)
     assert all(t.dtype == torch.float32 for t in after.values())  # the master copy is what is saved
     assert changed_fraction(before, after) >= 0.99
 
@@ -59,16 +57,23 @@ def test_the_forward_runs_in_the_compute_dtype_and_the_weights_stay_float32(tiny
     assert 0 < (logprobs - reference).abs().max() < 0.1  # bf16 products: close to, not equal to, fp32
 
 
-@pytest.mark.parametrize("name,device,expected", [("auto", "cpu", torch.float32), ("auto", "cuda", torch.bfloat16),
-                                                  ("bfloat16", "cpu", torch.bfloat16), ("float32", "cuda", torch.float32)])
-def test_compute_dtype_flag(name, device, expected):
-    assert common.compute_dtype(name, torch.device(device)) == expected
+COMPUTE_DTYPES = typing.get_args(typing.get_type_hints(grpo.Args)["compute_dtype"])  # the flag's choices
 
 
-def equal_rewards(rollout, tasks):
-    """Every completion scores 0.1: every group's advantage is exactly zero (eq. 10)."""
-    n = len(rollout.texts)
-    return [0.1] * n, [0.0] * n, [1.0] * n
+@pytest.mark.parametrize("name", COMPUTE_DTYPES)
+def test_compute_dtype_flag(name, tiny_model_dir):
+    """Each value --compute-dtype accepts, through the scripts' path (compute_dtype, then load_model): on a CPU
+    the forward's matrix products run in it (`auto`: float32, no bf16 matrix units there) and the log-probs are
+    float32; on a GPU `auto` is bfloat16 and a named dtype stays what it names."""
+    cpu = common.compute_dtype(name, torch.device("cpu"))
+    model = common.load_model(tiny_model_dir, torch.device("cpu"), dtype=cpu)
+    seen = []
+    hook = model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    ids = torch.randint(0, 1000, (2, 6))
+    logprobs, _ = common.completion_logprobs(model, ids, torch.ones_like(ids), ids, torch.ones_like(ids))
+    hook.remove()
+    assert seen == [torch.bfloat16 if name == "bfloat16" else torch.float32] and logprobs.dtype == torch.float32
+    assert common.compute_dtype(name, torch.device("cuda")) == (torch.bfloat16 if name == "auto" else cpu)
 
 
 @pytest.mark.parametrize("script", ["grpo", "dapo"])
@@ -80,11 +85,11 @@ def test_no_signal_no_update_even_with_a_kl_term(script, tiny_model_dir, tmp_pat
     import importlib
 
     algo = importlib.import_module(script)
-    args = algo.Args(model=tiny_model_dir, num_steps=1, prompts_per_step=2, group_size=8, max_new_tokens=12,
-                     learning_rate=1e-3, beta=0.05, num_minibatches=4, micro_batch_size=3, eval_size=0,
-                     test_size=8, runs_dir=str(tmp_path), save_every=1, **({"dynamic_sampling": False} if script == "dapo" else {}))
-    out = algo.train(args, reward_fn=equal_rewards)
+    args = tiny_args(algo, model=tiny_model_dir, group_size=8, max_new_tokens=12, beta=0.05, num_minibatches=4,
+                     micro_batch_size=3, eval_size=0, runs_dir=str(tmp_path), save_every=1,
+                     **({"dynamic_sampling": False} if script == "dapo" else {}))
+    out = algo.train(args, reward_fn=constant_reward)
     assert out["charts/advantage_std"] == 0.0 and out["losses/kl_ref"] == 0.0
-    after = load_file(os.path.join(out["run_dir"], "checkpoint-1", "model.safetensors"))
-    before = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    after = checkpoint_weights(f"{out['run_dir']}/checkpoint-1")
+    before = checkpoint_weights(tiny_model_dir)
     assert all(torch.equal(after[k], before[k]) for k in before)

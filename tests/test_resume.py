@@ -10,15 +10,12 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 import common
-from conftest import ROOT, subprocess_env
+from conftest import ROOT, checkpoint_weights, read_metrics, script_args, subprocess_env, tiny_args, tiny_flags
 
 TOY = os.path.join(ROOT, "tests", "toy_run.py")
-FLAGS = ["--num-steps", "4", "--save-every", "2", "--keep-checkpoints", "2", "--prompts-per-step", "4",
-         "--group-size", "4", "--max-new-tokens", "8", "--learning-rate", "1e-3", "--eval-every", "0",
-         "--eval-size", "1", "--test-size", "8", "--micro-batch-size", "16", "--log-samples-every", "100"]
 
 
 def run_dir_of(runs):
@@ -28,8 +25,7 @@ def run_dir_of(runs):
 
 def rows(run_dir):
     skip = ("time/", "charts/tokens_per_second")
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith(skip)}
-            for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    return [{k: v for k, v in row.items() if not k.startswith(skip)} for row in read_metrics(run_dir)[1]]
 
 
 def interrupt(cmd, runs, sig):
@@ -47,7 +43,9 @@ def interrupt(cmd, runs, sig):
 
 @pytest.mark.parametrize("algo,sig", [("grpo", signal.SIGKILL), ("dapo", signal.SIGTERM), ("ppo", signal.SIGTERM)])
 def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(algo, sig, peaked_model_dir, tmp_path):
-    base = [sys.executable, TOY, algo, "--model", peaked_model_dir, *FLAGS]
+    base = [sys.executable, TOY, algo, *tiny_flags(
+        model=peaked_model_dir, num_steps=4, save_every=2, keep_checkpoints=2, prompts_per_step=4, group_size=4,
+        max_new_tokens=8, num_minibatches=2, micro_batch_size=16, log_samples_every=100)]
     whole = subprocess.run(base + ["--runs-dir", str(tmp_path / "whole")], env=subprocess_env("1"), cwd=ROOT,
                            capture_output=True, text=True, timeout=600)
     assert whole.returncode == 0, whole.stderr[-3000:]
@@ -68,8 +66,7 @@ def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(algo, sig, peak
     expected, got = rows(run_dir_of(tmp_path / "whole")), rows(run_dir)
     assert [r["step"] for r in got] == [0, 1, 2, 3, 4]  # steps after the checkpoint were logged again
     assert got == expected
-    weights = lambda d: load_file(os.path.join(d, "checkpoint-4", "model.safetensors"))  # noqa: E731
-    a, b = weights(run_dir_of(tmp_path / "whole")), weights(run_dir)
+    a, b = (checkpoint_weights(os.path.join(d, "checkpoint-4")) for d in (run_dir_of(tmp_path / "whole"), run_dir))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert len(common.complete_checkpoints(run_dir)) == 2  # --keep-checkpoints
 
@@ -97,29 +94,28 @@ def test_resume_refuses_a_conflicting_flag(tmp_path):
     write_checkpoint(ckpt, 2)
     from dataclasses import asdict
 
-    (tmp_path / "run" / "args.json").write_text(json.dumps(asdict(grpo.Args(learning_rate=1e-4))))
-    args, found, _ = common.resume_args(grpo.Args(resume=str(tmp_path / "run"), num_steps=50), grpo.Args(),
-                                        str(tmp_path / "run"), "grpo")
+    (tmp_path / "run" / "args.json").write_text(json.dumps(asdict(script_args(grpo, learning_rate=1e-4))))
+    args, found, _ = common.resume_args(script_args(grpo, resume=str(tmp_path / "run"), num_steps=50),
+                                        script_args(grpo), str(tmp_path / "run"), "grpo")
     assert found == ckpt and args.learning_rate == 1e-4 and args.num_steps == 50
     with pytest.raises(common.ConfigError, match=r"--learning-rate=0.01 is not allowed with --resume: the run was "
                                                  r"started with 0.0001"):
-        common.resume_args(grpo.Args(learning_rate=1e-2), grpo.Args(), str(tmp_path / "run"), "grpo")
+        common.resume_args(script_args(grpo, learning_rate=1e-2), script_args(grpo), str(tmp_path / "run"), "grpo")
 
 
 def test_resume_latest_takes_the_newest_run_of_the_experiment_and_says_which(tiny_model_dir, tmp_path, capsys):
     import grpo
 
-    flags = dict(model=tiny_model_dir, num_steps=1, prompts_per_step=2, group_size=2, max_new_tokens=3, eval_size=0,
-                 test_size=4, save_every=1, runs_dir=str(tmp_path), num_minibatches=1)
-    older = grpo.train(grpo.Args(**flags))["run_dir"]
+    flags = dict(model=tiny_model_dir, max_new_tokens=3, eval_size=0, test_size=4, save_every=1, runs_dir=str(tmp_path))
+    older = grpo.train(tiny_args(grpo, **flags))["run_dir"]
     time.sleep(1.1)  # run folders are named by the second they start
-    newer = grpo.train(grpo.Args(**flags))["run_dir"]
-    grpo.train(grpo.Args(**{**flags, "exp_name": "other"}))  # newest of all, but another experiment
+    newer = grpo.train(tiny_args(grpo, **flags))["run_dir"]
+    grpo.train(tiny_args(grpo, **flags, exp_name="other"))  # newest of all, but another experiment
     assert common.newest_run("latest", str(tmp_path), "grpo") == newer != older
     assert common.newest_run(str(tmp_path), "ignored", "grpo") == newer  # a folder of runs in place of --runs-dir
     assert common.newest_run(newer, "ignored", "grpo") == newer  # a run folder is itself
     assert "the newest run of grpo" in capsys.readouterr().err
-    resumed = grpo.train(grpo.Args(**{**flags, "num_steps": 2, "resume": "latest"}), typed_flags={"resume", "num_steps"})
+    resumed = grpo.train(tiny_args(grpo, **flags, num_steps=2, resume="latest"), typed_flags={"resume", "num_steps"})
     assert resumed["run_dir"] == newer and len(rows(newer)) == 2 and len(rows(older)) == 1
     with pytest.raises(common.ConfigError, match="--resume='latest' is not allowed: no run of --exp-name='nothing'"):
         common.newest_run("latest", str(tmp_path), "nothing")

@@ -17,18 +17,17 @@ import tyro
 
 import common
 import grpo
-from conftest import ROOT, even_token_reward, subprocess_env
+from conftest import ROOT, even_token_reward, script_args, subprocess_env, tiny_args
 
-TINY = dict(prompts_per_step=2, group_size=2, max_new_tokens=2, eval_every=0, eval_size=0, test_size=4,
-            learning_rate=1e-3, num_minibatches=1, beta=0.0)
 PRECIOUS = '{"step": 0, "precious": true}\n'
 
 
 @pytest.fixture(scope="module")
 def base_run(tiny_model_dir, tmp_path_factory) -> str:
-    """A 1-step GRPO run with its checkpoint-1: resumable with --num-steps 2."""
+    """A 1-step GRPO run with its checkpoint-1: resumable with --num-steps 2 (no evaluation, no reference model:
+    each of the many resumes below is quick)."""
     runs = tmp_path_factory.mktemp("base") / "runs"
-    args = grpo.Args(model=tiny_model_dir, runs_dir=str(runs), num_steps=1, save_every=1, **TINY)
+    args = tiny_args(grpo, model=tiny_model_dir, runs_dir=str(runs), save_every=1, eval_size=0, beta=0.0)
     return grpo.train(args, reward_fn=even_token_reward)["run_dir"]
 
 
@@ -41,7 +40,7 @@ def run(base_run, tmp_path) -> Path:
 
 
 def resume(run_dir, num_steps: int = 2, **flags):
-    args = grpo.Args(resume=str(run_dir), num_steps=num_steps, **flags)
+    args = script_args(grpo, resume=str(run_dir), num_steps=num_steps, **flags)
     return grpo.train(args, reward_fn=even_token_reward, typed_flags={"resume", "num_steps", *flags})
 
 
@@ -120,7 +119,7 @@ def test_temporary_files_are_made_anew_never_written_through_a_link(run, tmp_pat
     names = ["args.json.tmp", "metrics.jsonl.tmp", "samples.jsonl.tmp", "checkpoint-2.tmp"]
     plant_links(run, names, outside)
     before = snapshot(outside)
-    common.RunLogger(str(run), grpo.Args(), common.Dist(), "grpo", resume_step=1).close()
+    common.RunLogger(str(run), script_args(grpo), common.Dist(), "grpo", resume_step=1).close()
     model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_model_dir), common.load_tokenizer(tiny_model_dir)
     assert common.save_checkpoint(model, tokenizer, str(run), 2, common.Dist(), state={"step": 2}, final=True)
     assert snapshot(outside) == before
@@ -130,7 +129,7 @@ def test_temporary_files_are_made_anew_never_written_through_a_link(run, tmp_pat
         (target,) = plant_links(run, [name], tmp_path / f"outside{name}").values()
         with pytest.raises(common.ConfigError, match="is a symbolic link"):
             (common.RunDir(str(tmp_path), "x", 1, run / "checkpoint-2", common.Dist()) if name == ".lock" else
-             common.RunLogger(str(run), grpo.Args(), common.Dist(), "grpo"))
+             common.RunLogger(str(run), script_args(grpo), common.Dist(), "grpo"))
         assert target.read_text() == PRECIOUS
 
 
@@ -184,7 +183,7 @@ def test_a_read_only_run_folder_is_one_line_naming_resume(base_run):
 
 @pytest.mark.parametrize("name", ["x" * 300, "é" * 130, "a\0b", ".", "..", "a/b", ""])
 def test_an_exp_name_that_cannot_make_a_folder_is_refused_before_anything_loads(name, tmp_path):
-    args = grpo.Args(exp_name=name, model=str(tmp_path / "no-model"), runs_dir=str(tmp_path / "runs"), **TINY)
+    args = tiny_args(grpo, exp_name=name, model=str(tmp_path / "no-model"), runs_dir=str(tmp_path / "runs"))
     with pytest.raises(common.ConfigError, match="^--exp-name=") as err:
         grpo.train(args)
     one_line(err)
@@ -194,7 +193,7 @@ def test_an_exp_name_that_cannot_make_a_folder_is_refused_before_anything_loads(
 def test_the_longest_exp_name_allowed_makes_folders(tmp_path):
     def allowed(n):
         try:
-            common.check_common_args(grpo.Args(exp_name="x" * n, seed=2**31 - 1))
+            common.check_common_args(script_args(grpo, exp_name="x" * n, seed=2**31 - 1))
             return True
         except common.ConfigError:
             return False
@@ -255,8 +254,8 @@ def test_args_json_records_the_data(base_run):
 def test_a_dataset_file_changed_since_the_run_started_is_refused(change, what, tiny_model_dir, tmp_path):
     data = tmp_path / "tasks.jsonl"
     data.write_text("".join(json.dumps(task(i, 2)) + "\n" for i in range(1, 13)))
-    args = grpo.Args(model=tiny_model_dir, runs_dir=str(tmp_path / "runs"), num_steps=1, save_every=1,
-                     dataset=str(data), **TINY)
+    args = tiny_args(grpo, model=tiny_model_dir, runs_dir=str(tmp_path / "runs"), save_every=1, eval_size=0, beta=0.0,
+                     dataset=str(data))
     run_dir = grpo.train(args, reward_fn=even_token_reward)["run_dir"]
     saved = json.loads(Path(run_dir, "args.json").read_text())["data_fingerprint"]
     assert saved["size"] == data.stat().st_size and len(saved["sha256"]) == 64

@@ -7,6 +7,7 @@ import pytest
 
 from conftest import read_metrics as metrics
 from conftest import run_script as run
+from conftest import script_args, tiny_flags
 
 SCRIPTS = ["grpo.py", "dapo.py", "ppo.py"]
 
@@ -56,13 +57,13 @@ def test_flags_are_checked_before_anything_loads(algo, fields, message):
     module = importlib.import_module(algo)
     world_size = 2 if "prompts_per_step" in fields and algo == "grpo" else 1
     with pytest.raises(common.ConfigError) as err:
-        module.check_args(module.Args(**fields), world_size)
+        module.check_args(script_args(module, **fields), world_size)
     assert message in str(err.value)
 
 
 def test_grpo_runs_with_the_bundled_model(tmp_path):
-    result = run(["grpo.py", "--model", "bundled", "--num-steps", "2", "--prompts-per-step", "2", "--group-size", "2",
-                  "--max-new-tokens", "16", "--eval-size", "1", "--runs-dir", str(tmp_path), "--learning-rate", "1e-5"])
+    result = run(["grpo.py", *tiny_flags(model="bundled", num_steps=2, max_new_tokens=16, learning_rate=1e-5,
+                                         num_minibatches=2, runs_dir=tmp_path)])
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir, rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -93,9 +94,8 @@ def test_grpo_runs_with_the_bundled_model(tmp_path):
 @pytest.mark.parametrize("script,parallel", [("grpo.py", "--no-fsdp")] + [(s, "--fsdp") for s in SCRIPTS])
 def test_torchrun_two_cpu_processes(script, parallel, tiny_model_dir, tmp_path):
     # DDP under torchrun for dapo.py and ppo.py is covered by their split tests (tests/update_worker.py)
-    result = run([script, "--model", tiny_model_dir, "--num-steps", "2", "--prompts-per-step", "2", "--group-size", "2",
-                  "--max-new-tokens", "8", "--eval-size", "3", "--runs-dir", str(tmp_path), "--beta", "0.01", parallel,
-                  "--num-minibatches", "2"],  # 2 sequences per process
+    result = run([script, *tiny_flags(model=tiny_model_dir, num_steps=2, max_new_tokens=8, eval_size=3, beta=0.01,
+                                      num_minibatches=2, runs_dir=tmp_path), parallel],  # 2 sequences per process
                  torchrun=True, threads="1")
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir, rows = metrics(tmp_path)  # rank 0 alone writes
@@ -114,10 +114,10 @@ def test_torchrun_two_cpu_processes(script, parallel, tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("dynamic_sampling", ["--dynamic-sampling", "--no-dynamic-sampling"])
 def test_dapo_runs_with_the_bundled_model(dynamic_sampling, tmp_path):
-    result = run(["dapo.py", "--model", "bundled", "--num-steps", "2", "--prompts-per-step", "2", "--group-size", "2",
-                  "--max-new-tokens", "12", "--eval-size", "1", "--runs-dir", str(tmp_path), "--learning-rate", "1e-5",
-                  dynamic_sampling, "--max-generation-batches", "2", "--overlong-buffer", "8", "--num-minibatches", "2",
-                  "--dynamic-sampling-metric", "reward"])  # the bundled model is never right: filter on rewards
+    result = run(["dapo.py", *tiny_flags(model="bundled", num_steps=2, max_new_tokens=12, learning_rate=1e-5,
+                                         num_minibatches=2, runs_dir=tmp_path, max_generation_batches=2,
+                                         overlong_buffer=8, dynamic_sampling_metric="reward"),
+                  dynamic_sampling])  # the bundled model is never right: filter on rewards
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir, rows = metrics(tmp_path)
     assert rows[0]["step"] == 0 and "charts/eval_accuracy" in rows[0]  # the starting model
@@ -142,8 +142,8 @@ def test_dapo_runs_with_the_bundled_model(dynamic_sampling, tmp_path):
 
 
 def test_ppo_runs_with_the_bundled_model(tmp_path):
-    result = run(["ppo.py", "--model", "bundled", "--num-steps", "2", "--prompts-per-step", "1", "--max-new-tokens", "16",
-                  "--eval-size", "1", "--runs-dir", str(tmp_path), "--learning-rate", "1e-5", "--num-minibatches", "1"])
+    result = run(["ppo.py", *tiny_flags(model="bundled", num_steps=2, prompts_per_step=1, group_size=1,
+                                        max_new_tokens=16, learning_rate=1e-5, runs_dir=tmp_path)])
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir, rows = metrics(tmp_path)
     for key in ["losses/value_loss", "losses/value_clipfrac", "charts/explained_variance", "charts/value_mean",

@@ -9,7 +9,7 @@ import tyro
 
 import common
 import grpo
-from conftest import ROOT
+from conftest import ROOT, script_args, tiny_args
 
 
 def load(name):
@@ -29,7 +29,7 @@ warm_start = load("warm_start")
 def test_every_study_command_passes_its_scripts_flag_checks(experiment, scale, tmp_path):
     if scale == "paper" and experiment in study.CPU_ONLY:
         pytest.skip("a CPU-scale experiment")
-    args = study.Args(experiment=experiment, scale=scale, root=str(tmp_path), dry_run=True)
+    args = script_args(study, experiment=experiment, scale=scale, root=str(tmp_path), dry_run=True)
     commands = study.run_commands(args, experiment)
     assert len(commands) == len(study.EXPERIMENTS[experiment][1]) >= 2
     for variant, cmd in commands:
@@ -46,14 +46,13 @@ def test_every_study_command_passes_its_scripts_flag_checks(experiment, scale, t
 
 def test_a_stopped_study_skips_finished_runs_and_resumes_unfinished_ones(tiny_model_dir, tmp_path):
     out_dir = tmp_path / "cpu" / "group-size"
-    grpo.train(grpo.Args(model=tiny_model_dir, num_steps=2, prompts_per_step=2, group_size=2, max_new_tokens=4,
-                         eval_size=1, test_size=2, save_every=1, runs_dir=str(out_dir), exp_name="G2",
-                         num_minibatches=1))
+    grpo.train(tiny_args(grpo, model=tiny_model_dir, num_steps=2, test_size=2, save_every=1, runs_dir=str(out_dir),
+                         exp_name="G2"))
     assert study.run_state(out_dir, "G2", 2)[0] == "finished"
     state, folder = study.run_state(out_dir, "G2", 3)
     assert state == "resumable" and folder.parent == out_dir
     assert study.run_state(out_dir, "G4", 2) == ("new", None)
-    args = study.Args(experiment="group-size", scale="cpu", root=str(tmp_path), steps=3)
+    args = script_args(study, experiment="group-size", scale="cpu", root=str(tmp_path), steps=3)
     commands = dict(study.run_commands(args, "group-size"))
     assert commands["G2"][2:] == ["--resume", str(folder), "--num-steps", "3"]
     assert "--resume" not in commands["G4"]
@@ -76,7 +75,7 @@ def test_an_orphan_variant_is_replaced_and_a_seed_is_a_run_of_its_own(tiny_model
     orphan.mkdir(parents=True)
     (orphan / "args.json").write_text(json.dumps({"script": "grpo", "exp_name": "G2", "seed": 1}))
     (orphan / "metrics.jsonl").write_text(json.dumps({"step": 0, "charts/eval_accuracy": 0.5}) + "\n")
-    args = study.Args(experiment="group-size", scale="cpu", root=str(tmp_path), seeds=(1, 2), only=("G2",))
+    args = script_args(study, experiment="group-size", scale="cpu", root=str(tmp_path), seeds=(1, 2), only=("G2",))
     commands = study.run_commands(args, "group-size")
     assert [label for label, _ in commands] == ["G2 seed 1", "G2 seed 2"] and not orphan.exists()
     assert [cmd[cmd.index("--seed") + 1] for _, cmd in commands] == ["1", "2"]
@@ -85,7 +84,7 @@ def test_an_orphan_variant_is_replaced_and_a_seed_is_a_run_of_its_own(tiny_model
 def test_unknown_variants_are_refused_for_all_experiments_too(tmp_path):
     for experiment in ("all", "group-size"):
         with pytest.raises(common.ConfigError, match="--only=.*not allowed"):
-            study.main(study.Args(experiment=experiment, root=str(tmp_path), only=("G3",), dry_run=True))
+            study.main(script_args(study, experiment=experiment, root=str(tmp_path), only=("G3",), dry_run=True))
 
 
 def test_the_summary_wall_time_is_the_logged_time_not_file_dates():
@@ -101,11 +100,11 @@ def test_the_readme_quick_start_is_the_studys_grpo_run():
 
     quick_start = (ROOT / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
     assert re.findall(r"^python grpo\.py$", quick_start, flags=re.M) == ["python grpo.py"]
-    (_, cmd), *_ = study.run_commands(study.Args(experiment="algorithms", only=("grpo",), root="/nonexistent"),
+    (_, cmd), *_ = study.run_commands(script_args(study, experiment="algorithms", only=("grpo",), root="/nonexistent"),
                                       "algorithms")
     study_run = vars(tyro.cli(grpo.Args, args=cmd[2:]))
     bookkeeping = {"runs_dir", "micro_batch_size", "keep_checkpoints", "save_every", "log_samples_every"}
-    assert {k: v for k, v in vars(grpo.Args()).items() if k not in bookkeeping} == \
+    assert {k: v for k, v in vars(script_args(grpo)).items() if k not in bookkeeping} == \
         {k: v for k, v in study_run.items() if k not in bookkeeping}
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 from transformers import GenerationConfig
 
-from conftest import ROOT, make_tiny_model_dir
+from conftest import ROOT, make_tiny_model_dir, tiny_flags
 from conftest import read_metrics as metrics
 from conftest import run_script as run
 
@@ -50,9 +50,9 @@ def test_engine_matches_hf_and_follows_weight_syncs(bundled_dir, tmp_path):
 
 @pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])  # dapo.py: under torchrun below
 def test_scripts_run_with_vllm(script, small_model_dir, tmp_path):
-    result = run([script, "--model", small_model_dir, "--backend", "vllm", "--num-steps", "2", "--prompts-per-step", "1", "--group-size", "2",
-                  "--max-new-tokens", "8", "--eval-size", "1", "--runs-dir", str(tmp_path), "--learning-rate", "1e-5",
-                  "--vllm-kv-cache-gib", "1", "--beta", "0", "--vllm-importance-cap", "2", "--num-minibatches", "2"])
+    result = run([script, *tiny_flags(model=small_model_dir, backend="vllm", num_steps=2, prompts_per_step=1,
+                                      max_new_tokens=8, runs_dir=tmp_path, learning_rate=1e-5, vllm_kv_cache_gib=1,
+                                      beta=0.0, vllm_importance_cap=2.0, num_minibatches=2)])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]  # the engine shut down before the process group
     _, rows = metrics(tmp_path)
@@ -69,10 +69,11 @@ def test_an_engine_per_torchrun_process_follows_the_sharded_weights(small_model_
     # The toy reward moves a small model a lot at this learning rate: were the FSDP2-sharded weights not
     # pushed into each process's engine, pi_old and pi_vllm would part after the first step.
     runs = tmp_path / "runs"
-    result = run([os.path.join("tests", "toy_run.py"), "dapo", "--model", small_model_dir, "--backend", "vllm", "--fsdp",
-                  "--num-steps", "3", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "8",
-                  "--eval-size", "2", "--runs-dir", str(runs), "--learning-rate", "3e-3", "--vllm-kv-cache-gib", "1",
-                  "--dynamic-sampling-metric", "reward"],  # the toy reward is rarely "correct" (all tokens even)
+    result = run([os.path.join("tests", "toy_run.py"), "dapo",
+                  *tiny_flags(model=small_model_dir, backend="vllm", fsdp=True, num_steps=3, group_size=4,
+                              max_new_tokens=8, eval_size=2, runs_dir=runs, learning_rate=3e-3, vllm_kv_cache_gib=1,
+                              num_minibatches=2,
+                              dynamic_sampling_metric="reward")],  # the toy reward is rarely "correct" (all even)
                  torchrun=True, threads="1")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import common  # noqa: E402
-from conftest import synthetic_rollout  # noqa: E402
+from conftest import script_args, synthetic_rollout  # noqa: E402
 
 
 def main():
@@ -23,8 +23,8 @@ def main():
     overrides = dict(kv.split("=", 1) for kv in sys.argv[4:])
     # no clipping: it would hide a wrongly scaled gradient. One minibatch: each process shuffles its own
     # share into minibatches, so with several the minibatches (not the update's sums) depend on the split
-    args = algo.Args(model=model_dir, beta=0.05, learning_rate=1.0, group_size=4, prompts_per_step=2,
-                     max_grad_norm=1e9, num_minibatches=1)
+    args = script_args(algo, model=model_dir, beta=0.05, learning_rate=1.0, group_size=4, prompts_per_step=2,
+                       max_grad_norm=1e9, num_minibatches=1)
     if algo_name == "ppo":
         args.critic_learning_rate, args.lam, args.clip_value = 1.0, 0.95, 0.05
     for k, v in overrides.items():

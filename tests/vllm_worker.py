@@ -9,12 +9,14 @@ import os
 import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
 import common  # noqa: E402
 import grpo  # noqa: E402
+from conftest import script_args  # noqa: E402
 
 
 def greedy(backend, prompts):
@@ -27,7 +29,7 @@ def main():
     world = common.Dist()
     tok = common.load_tokenizer(model_dir)
     policy = common.load_model(model_dir, world.device)
-    args = grpo.Args(backend="vllm", max_new_tokens=16)
+    args = script_args(grpo, backend="vllm", max_new_tokens=16)
     engine = common.make_backend("vllm", policy, tok, args, model_dir, world)
     hf = common.make_backend("hf", policy, tok, args)
     prompts = [common.make_prompt(tok, t) for t in common.generate_tasks(4, 3)]

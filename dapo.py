@@ -27,6 +27,8 @@ from typing import Callable, Literal, NamedTuple
 import torch
 import tyro
 
+import bookkeeping
+
 import common
 
 SCRIPT = Path(__file__).stem  # "dapo": names the run folder and its records, checked on --resume
@@ -380,7 +382,7 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
 # Training
 # ----------------------------------------------------------------------------------------------------
 def check_args(args: Args, world_size: int) -> None:
-    common.check_common_args(args, world_size)
+    bookkeeping.check_common_args(args, world_size)
     common.require(args.group_size >= 2, "group_size", args.group_size, ">= 2 (eq. 10 compares completions)")
     common.require(0 < args.clip_low < 1, "clip_low", args.clip_low, "in (0, 1)")
     common.require(args.clip_high > 0, "clip_high", args.clip_high, "> 0 (DAPO: 0.28)")
@@ -402,14 +404,14 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
     """`typed_flags`: the flags typed on the command line, which --resume checks against the run."""
     checkpoint, state = None, None
     if args.resume:  # the run's own configuration, its newest intact checkpoint and that checkpoint's state
-        args, checkpoint, state = common.resume_args(args, Args(), args.resume, SCRIPT, typed_flags)
+        args, checkpoint, state = bookkeeping.resume_args(args, Args(), args.resume, SCRIPT, typed_flags)
     check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     if reward_fn is None:  # Countdown (countdown_reward.py)
         reward_fn = lambda rollout, tasks: common.countdown_rewards(  # noqa: E731
             rollout.texts, tasks, args.format_score, args.answer_score)
     world = common.setup_distributed(args.device)
     common.seed_everything(args.seed)
-    run = common.RunDir(args.runs_dir, args.exp_name, args.seed, checkpoint, world)  # locks a resumed run's folder
+    run = bookkeeping.RunDir(args.runs_dir, args.exp_name, args.seed, checkpoint, world)  # locks a resumed run's folder
 
     # Data (checked before any model loads); each process takes its share of prompts_per_step
     train_tasks, test_tasks = common.load_countdown(
@@ -429,7 +431,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     backend = common.make_backend(args.backend, policy, tokenizer, args, str(checkpoint or model_path), world)
     run_dir = run.create()  # a new run's folder, made once every input has loaded
-    logger = common.RunLogger(run_dir, args, world, SCRIPT, args.track, args.wandb_project, state and state["step"])
+    logger = bookkeeping.RunLogger(run_dir, args, world, SCRIPT, args.track, args.wandb_project, state and state["step"])
 
     # What a checkpoint holds besides the weights; a resumed run restores it and continues as if never stopped
     sampler = common.PromptSampler(train_tasks, args.seed)
@@ -437,10 +439,10 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
     stateful = {"optimizer": common.OptimizerState(policy, optimizer), "scheduler": scheduler, "sampler": sampler}
     start_step, skipped_steps, skipped_in_row = 1, 0, 0
     if state:
-        start_step, skipped_steps = common.restore_trainer_state(state, args.resume, update_rng, **stateful)
-    stop = common.StopRequest()  # Ctrl-C / SIGTERM: finish the step, save, exit
+        start_step, skipped_steps = bookkeeping.restore_trainer_state(state, args.resume, update_rng, **stateful)
+    stop = bookkeeping.StopRequest()  # Ctrl-C / SIGTERM: finish the step, save, exit
 
-    bar, scalars = common.ProgressBar(args.num_steps, world, initial=start_step - 1), {}
+    bar, scalars = bookkeeping.ProgressBar(args.num_steps, world, initial=start_step - 1), {}
     if start_step == 1 and args.eval_size:  # step 0: the starting model, so that every curve begins there
         bar.phase("evaluating")
         logger.log(0, common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, world, args.prompt_template))
@@ -455,7 +457,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             prompts = [common.make_prompt(tokenizer, t, args.prompt_template) for t in tasks]
             bar.phase("generating")
             seed = common.generation_seed(args.seed, step, world.rank, batch)
-            with common.Timer() as generation_time, common.out_of_memory_hint("generation", args):
+            with bookkeeping.Timer() as generation_time, bookkeeping.out_of_memory_hint("generation", args):
                 generated = backend.generate(prompts, args.group_size, args.max_new_tokens, args.temperature,
                                              args.top_p, seed=seed)
             group_tasks = [t for t in tasks for _ in range(args.group_size)]
@@ -485,7 +487,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
         advantages = group_advantages(rewards, args.group_size, args.adv_eps)
 
         bar.phase("updating")
-        with common.Timer() as update_time, common.out_of_memory_hint("update", args):
+        with bookkeeping.Timer() as update_time, bookkeeping.out_of_memory_hint("update", args):
             # ---- Old log-probs (the reference's are taken in the update, micro-batch by micro-batch) ----
             # One epoch of one minibatch is on-policy: pi_old is the policy itself, so its log-probs are
             # the detached current ones and need no extra forward pass.
@@ -497,15 +499,15 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             update_means, skipped = update_policy(policy, optimizer, rollout, advantages, old_logprobs, ref_model,
                                                   args, update_rng, world, loss_mask)
             scheduler.step()
-        if not common.weights_finite(policy, world):  # a finite gradient times a huge step
+        if not bookkeeping.weights_finite(policy, world):  # a finite gradient times a huge step
             raise common.RunStopped(f"the weights are not finite after step {step}; the newest checkpoint in "
                                     f"{run_dir} holds the last good ones: lower --learning-rate")
-        with common.Timer() as sync_time:  # the generation engine samples from the new weights
+        with bookkeeping.Timer() as sync_time:  # the generation engine samples from the new weights
             backend.sync_weights(policy)
         skipped_steps += skipped  # optimizer steps a NaN/inf gradient skipped: they never reached the weights
         skipped_in_row = skipped_in_row + 1 if skipped else 0
         if skipped:
-            bar.write(common.skipped_update_message(step, skipped, update_means))
+            bar.write(bookkeeping.skipped_update_message(step, skipped, update_means))
 
         # ---- Logging: means over every process; rewards of all generated, advantages of what trained ----
         step_time = time.perf_counter() - step_start
@@ -549,10 +551,10 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
         diverged = skipped_in_row >= args.max_skipped_steps
         final = step == args.num_steps or stopping or diverged
         if args.save_every and step % args.save_every == 0 or final:
-            common.save_checkpoint(policy, tokenizer, run_dir, step, world, keep=args.keep_checkpoints, final=final,
-                                   state=common.trainer_state(step, skipped_steps, update_rng, **stateful))
+            bookkeeping.save_checkpoint(policy, tokenizer, run_dir, step, world, keep=args.keep_checkpoints, final=final,
+                                   state=bookkeeping.trainer_state(step, skipped_steps, update_rng, **stateful))
         if diverged:  # the skipped updates never reached the weights: the checkpoint is the last good state
-            raise common.RunStopped(common.divergence_message(skipped_in_row, args.max_skipped_steps,
+            raise common.RunStopped(bookkeeping.divergence_message(skipped_in_row, args.max_skipped_steps,
                                                               f"{run_dir}/checkpoint-{step}"))
         if stopping:
             bar.write(f"stopped after step {step}; continue with: python {SCRIPT}.py --resume {run_dir}")
@@ -566,4 +568,4 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
 
 
 if __name__ == "__main__":
-    common.exit_on_config_error(lambda: train(tyro.cli(Args), typed_flags=common.typed_flags(sys.argv[1:])))
+    common.exit_on_config_error(lambda: train(tyro.cli(Args), typed_flags=bookkeeping.typed_flags(sys.argv[1:])))

@@ -24,6 +24,8 @@ from typing import Literal
 
 import tyro
 
+import bookkeeping
+
 import common
 import countdown_reward
 
@@ -110,7 +112,7 @@ def resolve_target(target: str) -> tuple[str, dict, int | None]:
         except (OSError, ValueError, RecursionError, AssertionError):
             raise common.ConfigError(f"target={target!r}: {run_dir}/args.json is not a JSON object") from None
         if path == run_dir:  # a run folder: its newest checkpoint that reads back (its optimizer state unloaded)
-            newest = common.newest_intact_checkpoint(common.complete_checkpoints(run_dir), load_state=False)
+            newest = bookkeeping.newest_intact_checkpoint(bookkeeping.complete_checkpoints(run_dir), load_state=False)
             if newest is None:
                 raise common.ConfigError(f"target={target!r} is not allowed: the run has no intact checkpoint-<step> "
                                          f"folder (a run saves one every --save-every steps and at its end)")
@@ -125,8 +127,8 @@ def resolve_target(target: str) -> tuple[str, dict, int | None]:
 
 
 def check_args(args: Args) -> None:
-    common.check_finite(args)
-    common.check_task_args(args)
+    bookkeeping.check_finite(args)
+    bookkeeping.check_task_args(args)
     common.require(args.size >= 0, "size", args.size, ">= 0")
     common.require(0 <= args.samples <= MAX_SAMPLES, "samples", args.samples,
                    f"in [0, {MAX_SAMPLES}] (each generate call holds one task's samples at once; "
@@ -257,4 +259,4 @@ def main(args: Args, typed: set[str]) -> dict:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    common.exit_on_config_error(lambda: main(tyro.cli(Args), common.typed_flags(sys.argv[1:])))
+    common.exit_on_config_error(lambda: main(tyro.cli(Args), bookkeeping.typed_flags(sys.argv[1:])))

@@ -35,6 +35,7 @@ from filelock import FileLock, Timeout
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import bookkeeping  # noqa: E402
 import common  # noqa: E402
 from plot import read_rows  # noqa: E402
 
@@ -178,7 +179,7 @@ def run_state(out_dir: Path, variant: str, num_steps: int, seed: int = 1) -> tup
     for folder in reversed(run_folders(out_dir, variant, seed)):
         if steps_logged(folder) >= num_steps:
             return "finished", folder
-        if common.complete_checkpoints(folder):
+        if bookkeeping.complete_checkpoints(folder):
             return "resumable", folder
         if not folder.is_symlink() and not in_use(folder):
             print(f"study: removing {folder}, a run stopped before its first checkpoint", file=sys.stderr)
@@ -200,9 +201,9 @@ def final_evaluations(args: Args, experiment: str) -> list[tuple[str, list[str]]
         return []
     commands = []
     for folder in sorted(p for p in out_dir.glob("*__*") if (p / "args.json").is_file()):
-        if (folder / FINAL_EVAL).is_file() or not common.complete_checkpoints(folder):
+        if (folder / FINAL_EVAL).is_file() or not bookkeeping.complete_checkpoints(folder):
             continue
-        num_steps = common.read_json_object(folder / "args.json").get("num_steps")
+        num_steps = bookkeeping.read_json_object(folder / "args.json").get("num_steps")
         if steps_logged(folder) >= (num_steps or 1):
             commands.append((f"evaluate {folder.name}", [sys.executable, str(ROOT / "evaluate.py"), str(folder),
                                                          "--out", str(folder / FINAL_EVAL),

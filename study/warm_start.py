@@ -41,6 +41,7 @@ import tyro
 from filelock import FileLock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import bookkeeping  # noqa: E402
 import common  # noqa: E402
 import countdown_reward  # noqa: E402
 
@@ -114,8 +115,8 @@ def examples(args: Args, count: int, exclude: set) -> list[dict]:
 
 
 def check_args(args: Args) -> None:
-    common.check_finite(args)
-    common.check_task_args(args)
+    bookkeeping.check_finite(args)
+    bookkeeping.check_task_args(args)
     for name in ("num_steps", "batch_size", "test_size"):
         common.require(getattr(args, name) >= 1, name, getattr(args, name), "a positive integer")
     common.require(args.learning_rate > 0, "learning_rate", args.learning_rate, "> 0")

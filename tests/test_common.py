@@ -10,6 +10,8 @@ import pytest
 import torch
 from transformers.modeling_outputs import CausalLMOutput
 
+import bookkeeping
+
 import common
 import countdown_reward
 from conftest import ROOT, subprocess_env, synthetic_rollout
@@ -191,7 +193,7 @@ def test_the_hub_dataset_is_split_as_tinyzero_splits_it():
 
 
 def test_health_warnings_come_once_each_and_only_when_due():
-    health = common.HealthCheck(patience=3)
+    health = bookkeeping.HealthCheck(patience=3)
     quiet = {"charts/zero_std_fraction": 0.5, "charts/format_rate": 0.2, "charts/truncated_fraction": 0.1,
              "losses/entropy": 2.0}
     assert health.check(quiet) == []

@@ -7,6 +7,8 @@ import os
 import pytest
 import torch
 
+import bookkeeping
+
 import common
 import dapo
 import grpo
@@ -51,5 +53,5 @@ def test_batches_where_every_group_has_equal_rewards_change_nothing(algo, group_
 @pytest.mark.parametrize("stage,flag", [("update", "--micro-batch-size"), ("generation", "--prompts-per-step")])
 def test_out_of_memory_names_the_flag_to_lower(stage, flag):
     with pytest.raises(common.RunStopped, match=f"out of memory in the {stage} .*: lower {flag}"):
-        with common.out_of_memory_hint(stage, script_args(grpo)):
+        with bookkeeping.out_of_memory_hint(stage, script_args(grpo)):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

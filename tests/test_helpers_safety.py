@@ -14,6 +14,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import bookkeeping
+
 import common
 import countdown_reward
 import evaluate
@@ -34,7 +36,7 @@ def write_checkpoint(path: Path, step: int, model_dir: str | None = None) -> Pat
     else:
         path.mkdir(parents=True)
         save_file({"w": torch.zeros(2)}, str(path / "model.safetensors"))
-    torch.save({"step": step, "optimizer": {"exp_avg": torch.randn(4096)}}, path / common.TRAINER_STATE)
+    torch.save({"step": step, "optimizer": {"exp_avg": torch.randn(4096)}}, path / bookkeeping.TRAINER_STATE)
     return path
 
 
@@ -71,9 +73,9 @@ def flip_pickle_byte(path: Path):
         "link-to-dev-zero"])
 def test_the_cheap_check_finds_a_damaged_trainer_state_without_unpickling(damage, tmp_path, no_torch_load):
     write_checkpoint(tmp_path / "checkpoint-1", 1)
-    damage(write_checkpoint(tmp_path / "checkpoint-2", 2) / common.TRAINER_STATE)
-    found = common.complete_checkpoints(tmp_path)
-    assert common.newest_intact_checkpoint(found, load_state=False) == (tmp_path / "checkpoint-1", None)
+    damage(write_checkpoint(tmp_path / "checkpoint-2", 2) / bookkeeping.TRAINER_STATE)
+    found = bookkeeping.complete_checkpoints(tmp_path)
+    assert bookkeeping.newest_intact_checkpoint(found, load_state=False) == (tmp_path / "checkpoint-1", None)
 
 
 @pytest.mark.parametrize("damage", [
@@ -83,9 +85,9 @@ def test_the_cheap_check_finds_a_damaged_trainer_state_without_unpickling(damage
 def test_resume_skips_a_damaged_trainer_state(damage, tmp_path):
     """Damage falls back to the checkpoint before (a damaged pickle was refused as if crafted, or hung)."""
     write_checkpoint(tmp_path / "checkpoint-1", 1)
-    damage(write_checkpoint(tmp_path / "checkpoint-2", 2) / common.TRAINER_STATE)
+    damage(write_checkpoint(tmp_path / "checkpoint-2", 2) / bookkeeping.TRAINER_STATE)
     start = time.perf_counter()
-    checkpoint, state = common.find_checkpoint(str(tmp_path))
+    checkpoint, state = bookkeeping.find_checkpoint(str(tmp_path))
     assert checkpoint.name == "checkpoint-1" and state["step"] == 1 and time.perf_counter() - start < 10
 
 
@@ -97,13 +99,13 @@ class RunsCode:
 def test_resume_still_refuses_a_crafted_trainer_state(tmp_path, monkeypatch):
     write_checkpoint(tmp_path / "checkpoint-1", 1)
     newest = write_checkpoint(tmp_path / "checkpoint-2", 2)
-    torch.save({"step": 2, "payload": RunsCode()}, newest / common.TRAINER_STATE)
+    torch.save({"step": 2, "payload": RunsCode()}, newest / bookkeeping.TRAINER_STATE)
     ran = []
     monkeypatch.setattr(os, "system", lambda *a: ran.append(a))
     with pytest.raises(common.ConfigError, match="refused to load it"):
-        common.find_checkpoint(str(tmp_path))
+        bookkeeping.find_checkpoint(str(tmp_path))
     assert ran == []
-    assert common.newest_intact_checkpoint(common.complete_checkpoints(tmp_path), load_state=False)[0].name == \
+    assert bookkeeping.newest_intact_checkpoint(bookkeeping.complete_checkpoints(tmp_path), load_state=False)[0].name == \
         "checkpoint-2"  # evaluate.py never unpickles it, and scores the weights
 
 
@@ -111,10 +113,10 @@ def test_the_cheap_check_finds_damaged_or_missing_weights(tmp_path, no_torch_loa
     write_checkpoint(tmp_path / "checkpoint-1", 1)
     newest = write_checkpoint(tmp_path / "checkpoint-2", 2)
     os.truncate(newest / "model.safetensors", 50)
-    found = common.complete_checkpoints(tmp_path)
-    assert common.newest_intact_checkpoint(found, load_state=False)[0].name == "checkpoint-1"
+    found = bookkeeping.complete_checkpoints(tmp_path)
+    assert bookkeeping.newest_intact_checkpoint(found, load_state=False)[0].name == "checkpoint-1"
     (newest / "model.safetensors").unlink()
-    assert common.newest_intact_checkpoint(found, load_state=False)[0].name == "checkpoint-1"
+    assert bookkeeping.newest_intact_checkpoint(found, load_state=False)[0].name == "checkpoint-1"
 
 
 def test_evaluate_picks_a_runs_checkpoint_without_loading_its_optimizer_state(tiny_model_dir, tmp_path, monkeypatch):
@@ -122,8 +124,8 @@ def test_evaluate_picks_a_runs_checkpoint_without_loading_its_optimizer_state(ti
     write_checkpoint(run / "checkpoint-1", 1, tiny_model_dir)
     write_checkpoint(run / "checkpoint-2", 2, tiny_model_dir)
     (run / "args.json").write_text(json.dumps({"test_size": 8}))
-    os.truncate(run / "checkpoint-2" / common.TRAINER_STATE, 1000)
-    assert common.find_checkpoint(str(run))[1]["step"] == 1  # resume still loads (and needs) the state
+    os.truncate(run / "checkpoint-2" / bookkeeping.TRAINER_STATE, 1000)
+    assert bookkeeping.find_checkpoint(str(run))[1]["step"] == 1  # resume still loads (and needs) the state
     with monkeypatch.context() as m:
         m.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load was called"))
         assert evaluate.resolve_target(str(run)) == (str(run / "checkpoint-1"), {"test_size": 8}, 1)
@@ -243,12 +245,12 @@ def test_a_damaged_shard_index_is_one_line(damage, message, tiny_model_dir, tmp_
 def test_a_sharded_checkpoint_missing_a_shard_is_damaged(tiny_model_dir, tmp_path):
     write_checkpoint(tmp_path / "checkpoint-1", 1)
     newest = sharded_copy(tiny_model_dir, tmp_path / "checkpoint-2")
-    torch.save({"step": 2}, newest / common.TRAINER_STATE)
-    found = common.complete_checkpoints(tmp_path)
-    assert common.newest_intact_checkpoint(found)[0].name == "checkpoint-2"
+    torch.save({"step": 2}, newest / bookkeeping.TRAINER_STATE)
+    found = bookkeeping.complete_checkpoints(tmp_path)
+    assert bookkeeping.newest_intact_checkpoint(found)[0].name == "checkpoint-2"
     (newest / SHARD).unlink()
     for load_state in (True, False):
-        assert common.newest_intact_checkpoint(found, load_state=load_state)[0].name == "checkpoint-1"
+        assert bookkeeping.newest_intact_checkpoint(found, load_state=load_state)[0].name == "checkpoint-1"
 
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import bookkeeping
+
 import common
 import dapo
 import grpo
@@ -31,7 +33,7 @@ def finished_run(tiny_model_dir, tmp_path) -> str:
 
 # ---- 1. Resume compares what was typed, not values against the defaults --------------------------------
 def test_typed_flags_are_read_from_the_command_line():
-    assert common.typed_flags(["--num-steps", "200", "--learning-rate=1e-6", "--no-dynamic-sampling"]) == {
+    assert bookkeeping.typed_flags(["--num-steps", "200", "--learning-rate=1e-6", "--no-dynamic-sampling"]) == {
         "num_steps", "learning_rate", "no_dynamic_sampling", "dynamic_sampling"}
 
 
@@ -42,7 +44,7 @@ def test_a_flag_typed_at_its_default_value_still_counts(finished_run):
     assert result.returncode == 2
     assert "--learning-rate=1e-05 is not allowed with --resume: the run was started with 0.001" in result.stderr
     # --num-steps at its default (60) extends the run: it is what the user typed
-    extended, _, _ = common.resume_args(script_args(grpo, resume=finished_run), script_args(grpo), finished_run, "grpo",
+    extended, _, _ = bookkeeping.resume_args(script_args(grpo, resume=finished_run), script_args(grpo), finished_run, "grpo",
                                         {"num_steps"})
     assert extended.num_steps == 60 and extended.learning_rate == 1e-3
 
@@ -58,32 +60,32 @@ def test_resuming_a_finished_run_says_so_and_changes_nothing(finished_run):
 # ---- 2. One writer per run folder -------------------------------------------------------------------
 def test_runs_started_in_the_same_second_get_their_own_folders_and_a_second_writer_is_refused(tmp_path):
     d = common.Dist()
-    first = common.RunDir(str(tmp_path), "x", 1, None, d)
-    second = common.RunDir(str(tmp_path), "x", 1, None, d)
+    first = bookkeeping.RunDir(str(tmp_path), "x", 1, None, d)
+    second = bookkeeping.RunDir(str(tmp_path), "x", 1, None, d)
     a, b = first.create(), second.create()
     assert a != b and os.path.isdir(a) and os.path.isdir(b)
     with pytest.raises(common.ConfigError, match=f"the run folder is in use by process {os.getpid()}"):
-        common.RunDir(str(tmp_path), "x", 1, Path(a) / "checkpoint-1", d)
+        bookkeeping.RunDir(str(tmp_path), "x", 1, Path(a) / "checkpoint-1", d)
 
 
 def test_a_lock_dies_with_its_process(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import common, time; run = common.RunDir(%r, 'x', 1, None, "
+    holder = subprocess.Popen([sys.executable, "-c", "import bookkeeping, common, time; run = bookkeeping.RunDir(%r, 'x', 1, None, "
                                "common.Dist()); run.create(); print('ok', flush=True); time.sleep(60)" % str(tmp_path)],
                               cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "ok"
     (folder,) = os.listdir(tmp_path)
     with pytest.raises(common.ConfigError, match=f"in use by process {holder.pid}"):
-        common.RunDir(str(tmp_path), "x", 1, tmp_path / folder / "checkpoint-1", common.Dist())
+        bookkeeping.RunDir(str(tmp_path), "x", 1, tmp_path / folder / "checkpoint-1", common.Dist())
     holder.kill()
     holder.wait()
-    common.RunDir(str(tmp_path), "x", 1, tmp_path / folder / "checkpoint-1", common.Dist())  # free again
+    bookkeeping.RunDir(str(tmp_path), "x", 1, tmp_path / folder / "checkpoint-1", common.Dist())  # free again
 
 
 # ---- 3, 4. One history, one script ------------------------------------------------------------------
 def test_an_older_checkpoint_is_not_resumed_in_place(finished_run):
     with pytest.raises(common.ConfigError, match="newest checkpoint is checkpoint-2; resuming an older one "
                                                  "would fork its history.*--model .*checkpoint-1"):
-        common.find_checkpoint(os.path.join(finished_run, "checkpoint-1"))
+        bookkeeping.find_checkpoint(os.path.join(finished_run, "checkpoint-1"))
 
 
 @pytest.mark.parametrize("other", [dapo, ppo])
@@ -166,10 +168,10 @@ def test_bad_flags_stop_before_anything_loads(algo, flags, message):
 
 def test_non_finite_weights_are_detected(tiny_model_dir):
     model = common.load_model(tiny_model_dir, torch.device("cpu"))
-    assert common.weights_finite(model, common.Dist())
+    assert bookkeeping.weights_finite(model, common.Dist())
     with torch.no_grad():
         model.model.layers[1].mlp.up_proj.weight[3, 5] = math.nan
-    assert not common.weights_finite(model, common.Dist())
+    assert not bookkeeping.weights_finite(model, common.Dist())
 
 
 # ---- 8. Settings that allow too few tasks: an error at once, not a hang ---------------------------------
@@ -231,7 +233,7 @@ MARKER = "/tmp/rl-countdown-pickle-ran"
 def test_a_crafted_trainer_state_is_refused_not_executed(finished_run):
     if os.path.exists(MARKER):
         os.remove(MARKER)
-    newest = Path(finished_run, "checkpoint-2", common.TRAINER_STATE)
+    newest = Path(finished_run, "checkpoint-2", bookkeeping.TRAINER_STATE)
     torch.save({"step": 2, "payload": RunsCode()}, newest)
     assert b"system" in newest.read_bytes()
     result = cli(["grpo.py", "--resume", finished_run, "--num-steps", "3"])
@@ -241,15 +243,15 @@ def test_a_crafted_trainer_state_is_refused_not_executed(finished_run):
 
 # ---- 12. Resume survives damage ---------------------------------------------------------------------------
 def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(finished_run):
-    os.truncate(Path(finished_run, "checkpoint-2", common.TRAINER_STATE), 100)
-    checkpoint, state = common.find_checkpoint(finished_run)
+    os.truncate(Path(finished_run, "checkpoint-2", bookkeeping.TRAINER_STATE), 100)
+    checkpoint, state = bookkeeping.find_checkpoint(finished_run)
     assert checkpoint.name == "checkpoint-1" and state["step"] == 1
     shutil.rmtree(Path(finished_run, "checkpoint-1"))
     with open(Path(finished_run, "metrics.jsonl"), "a") as f:
         f.write('{"step": 3, "charts/rew')  # a kill in the middle of a line
     os.remove(Path(finished_run, "checkpoint-2", "model.safetensors"))
     with pytest.raises(common.ConfigError, match="every checkpoint .* is damaged"):
-        common.find_checkpoint(finished_run)
+        bookkeeping.find_checkpoint(finished_run)
 
 
 def test_a_torn_metrics_line_does_not_block_resume(finished_run):
@@ -266,7 +268,7 @@ def test_a_torn_metrics_line_does_not_block_resume(finished_run):
 def test_a_missing_or_corrupt_args_json_is_one_line(damage, finished_run):
     damage(Path(finished_run, "args.json"))
     with pytest.raises(common.ConfigError, match="args.json is missing or not a JSON object"):
-        common.resume_args(script_args(grpo, resume=finished_run), script_args(grpo), finished_run, "grpo",
+        bookkeeping.resume_args(script_args(grpo, resume=finished_run), script_args(grpo), finished_run, "grpo",
                            {"num_steps"})
 
 
@@ -290,8 +292,8 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_says_so(tiny_model_dir, small
         grpo.train(args, reward_fn=even_token_reward)
     assert "checkpoint-2 (disk full" in capfd.readouterr().err  # a failed save mid-run: said, and training went on
     (run_dir,) = [p for p in small_disk.iterdir() if p.is_dir()]
-    assert [p.name for p in common.complete_checkpoints(run_dir)] == ["checkpoint-1"]
+    assert [p.name for p in bookkeeping.complete_checkpoints(run_dir)] == ["checkpoint-1"]
     assert not list(run_dir.glob("*.tmp"))
     assert [row["step"] for row in read_metrics(run_dir)[1]] == [0, 1, 2, 3]
-    checkpoint, state = common.find_checkpoint(str(run_dir))  # and it resumes from there
+    checkpoint, state = bookkeeping.find_checkpoint(str(run_dir))  # and it resumes from there
     assert state["step"] == 1

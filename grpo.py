@@ -16,9 +16,9 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable
 
 import torch
 import tyro
@@ -72,81 +72,13 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
 
-    # Generation, reward and data
-    max_new_tokens: int = 48
-    """longest completion; longer ones are cut and marked truncated"""
-    temperature: float = 1.0
-    """sampling temperature (log-probs are taken at the same temperature)"""
-    top_p: float = 1.0
-    """nucleus sampling; 1.0 samples from the whole distribution"""
-    format_score: float = 0.1
-    """reward of a well-formed answer that is wrong"""
-    answer_score: float = 1.0
-    """reward of a correct answer"""
-    prompt_template: Literal["auto", "chat", "base"] = "auto"
-    """`auto`: the tokenizer's chat template when it has one, else TinyZero's plain base-model template"""
-    test_size: int = 128
-    """held-out tasks never trained on: the last rows of a file; of Jiayi-Pan/Countdown-Tasks-3to4, TinyZero's
-    (the rows after its 327,680 training rows)"""
-    eval_size: int = 128
-    """how many of the held-out tasks each greedy evaluation uses (0: no evaluation, not even at step 0 and the end)"""
-    task_min_numbers: int = 2
-    """generated tasks: fewest numbers per task"""
-    task_max_numbers: int = 2
-    """generated tasks: most numbers per task"""
-    task_max_value: int = 20
-    """generated tasks: numbers are drawn from 1..task_max_value"""
-    task_operators: str = "+*"
-    """generated tasks: operators the hidden solution may use (`+-` makes an easy task for small models)"""
-
-    # Systems: devices, precision, memory, vLLM, sharding
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """`auto`: CUDA when visible, else CPU"""
-    compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    """dtype of the forward and backward (`auto`: bfloat16 on a GPU, float32 on a CPU); weights, gradients and AdamW
-    state stay float32 (bf16 weights would round most of a 1e-6 update away)"""
-    micro_batch_size: int = 8
-    """sequences per forward/backward (gradient accumulation); lower it when out of memory"""
-    max_tokens_per_micro_batch: int = 0
-    """pack each update micro-batch by padded tokens (prompt + completion) instead of --micro-batch-size
-    sequences (verl's ppo_max_token_len_per_gpu); 0: off. Micro-batches are always cut to their own lengths"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass: less memory, slower updates"""
-    fsdp: bool = False
-    """under torchrun, shard weights, gradients and optimizer states with FSDP2 instead of DDP's replicas"""
-    fsdp_cpu_offload: bool = False
-    """with --fsdp, keep the shards and the optimizer step in CPU memory"""
-    backend: Literal["hf", "vllm"] = "hf"
-    """generation backend: `hf` (transformers generate on the policy) or `vllm` (an engine in this process)"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """--backend vllm on GPU: the share of GPU memory the engine may take (weights and KV cache)"""
-    vllm_kv_cache_gib: int = 4
-    """--backend vllm on CPU: KV-cache size in GiB per process (VLLM_CPU_KVCACHE_SPACE)"""
-    vllm_sleep_mode: bool = False
-    """--backend vllm on GPU: free the engine's KV cache and move its weights to host memory during the update"""
-    vllm_importance_cap: float = 0.0
-    """--backend vllm: weight each token by min(pi_old / pi_vllm, cap), truncated importance sampling (0: off)"""
-    max_skipped_steps: int = 3
-    """stop (saving the last good weights) after this many steps in a row with a NaN/inf gradient"""
-
-    # Logging, checkpoints, resume
-    runs_dir: str = "runs"
-    """where run folders (TensorBoard, metrics.jsonl, samples, checkpoints) are written"""
-    track: bool = False
-    """also log to Weights & Biases (needs `pip install wandb`)"""
-    wandb_project: str = "rl-countdown"
-    """the W&B project, with --track"""
-    eval_every: int = 10
-    """greedy evaluation on the held-out split every N steps (0: only at the end)"""
-    save_every: int = 10
-    """save a checkpoint (HF model + trainer state for --resume) every N steps (0: only at the end)"""
-    keep_checkpoints: int = 2
-    """keep only the newest N checkpoints (0: keep all)"""
-    log_samples_every: int = 10
-    """write sample completions every N steps"""
-    resume: str = ""
-    """continue a run: its folder (from its newest complete checkpoint), one checkpoint-<step> folder, or `latest` (the
-    newest run of --exp-name in --runs-dir; a folder of runs in place of --runs-dir works too)"""
+    # Shared sections, the same in every script; their flags have no prefix (--max-new-tokens, --micro-batch-size)
+    task: tyro.conf.OmitArgPrefixes[common.TaskArgs] = field(default_factory=common.TaskArgs)
+    """generation, reward and data"""
+    system: tyro.conf.OmitArgPrefixes[common.SystemArgs] = field(default_factory=common.SystemArgs)
+    """devices, precision, memory, vLLM, sharding"""
+    log: tyro.conf.OmitArgPrefixes[bookkeeping.LogArgs] = field(default_factory=bookkeeping.LogArgs)
+    """logging, checkpoints, resume"""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -258,22 +190,23 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
     for _ in range(args.update_epochs):
         for minibatch in torch.randperm(batch_size, generator=update_rng).chunk(args.num_minibatches):
             optimizer.zero_grad(set_to_none=True)
-            micro_batches = common.micro_batches(rollout, minibatch, args.micro_batch_size,
-                                                 args.max_tokens_per_micro_batch, world)
+            micro_batches = common.micro_batches(rollout, minibatch, args.system.micro_batch_size,
+                                                 args.system.max_tokens_per_micro_batch, world)
             for i, mb in enumerate(micro_batches):
                 last = i == len(micro_batches) - 1
                 with common.gradient_sync(policy, enabled=last):
-                    logprobs, entropy = common.completion_logprobs(policy, *mb.inputs(rollout), args.temperature,
+                    logprobs, entropy = common.completion_logprobs(policy, *mb.inputs(rollout), args.task.temperature,
                                                                    with_entropy=True)
                     old = logprobs.detach() if on_policy else mb(old_logprobs)
                     adv, engine_gap = mb(advantages), None
                     if rollout.logprobs is not None:  # vLLM sampled the tokens
-                        adv, engine_gap = engine_correction(adv, old, mb(rollout.logprobs), args.vllm_importance_cap)
+                        adv, engine_gap = engine_correction(adv, old, mb(rollout.logprobs),
+                                                            args.system.vllm_importance_cap)
                     pg_loss, stats = policy_loss(logprobs, old, adv, mb(mask), args.clip_eps)
                     if ref_model is not None:  # on this very micro-batch: while pi_theta = pi_ref, exactly equal
                         with torch.no_grad():
                             ref, _ = common.completion_logprobs(common.unwrap(ref_model), *mb.inputs(rollout),
-                                                                args.temperature)
+                                                                args.task.temperature)
                         kl = sequence_mean(kl_k3(logprobs, ref), mb(mask))
                     else:
                         kl = torch.zeros((), device=logprobs.device)
@@ -317,35 +250,40 @@ the default scores Countdown with countdown_reward.py."""
 def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] | None = None) -> dict:
     """`typed_flags`: the flags typed on the command line, which --resume checks against the run."""
     checkpoint, state = None, None
-    if args.resume:  # the run's own configuration, its newest intact checkpoint and that checkpoint's state
-        args, checkpoint, state = bookkeeping.resume_args(args, Args(), args.resume, SCRIPT, typed_flags)
+    if args.log.resume:  # the run's own configuration, its newest intact checkpoint and that checkpoint's state
+        args, checkpoint, state = bookkeeping.resume_args(args, Args(), args.log.resume, SCRIPT, typed_flags)
     check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     if reward_fn is None:  # Countdown (countdown_reward.py)
         reward_fn = lambda rollout, tasks: common.countdown_rewards(  # noqa: E731
-            rollout.texts, tasks, args.format_score, args.answer_score)
-    world = common.setup_distributed(args.device)
+            rollout.texts, tasks, args.task.format_score, args.task.answer_score)
+    world = common.setup_distributed(args.system.device)
     common.seed_everything(args.seed)
-    run = bookkeeping.RunDir(args.runs_dir, args.exp_name, args.seed, checkpoint, world)  # locks a resumed run's folder
+    # the run folder; a resumed run's is locked now
+    run = bookkeeping.RunDir(args.log.runs_dir, args.exp_name, args.seed, checkpoint, world)
 
     # Data (checked before any model loads); each process takes its share of prompts_per_step
     train_tasks, test_tasks = common.load_countdown(
-        args.dataset, args.test_size, args.seed, min_numbers=args.task_min_numbers,
-        max_numbers=args.task_max_numbers, max_value=args.task_max_value, operators=args.task_operators)
+        args.dataset, args.task.test_size, args.seed, min_numbers=args.task.task_min_numbers,
+        max_numbers=args.task.task_max_numbers, max_value=args.task.task_max_value, operators=args.task.task_operators)
     model_path = common.resolve_model(args.model)  # after the data: --model=bundled-warm may build the warm start
-    eval_tasks = test_tasks[:args.eval_size]
+    eval_tasks = test_tasks[:args.task.eval_size]
 
     # Model, reference model (only when the KL term is on), optimizer
     tokenizer = common.load_tokenizer(model_path)
-    dtype = common.compute_dtype(args.compute_dtype, world.device)  # float32 weights, `dtype` matrix products
-    policy = common.load_model(str(checkpoint or model_path), world.device, args.gradient_checkpointing, dtype=dtype)
+    dtype = common.compute_dtype(args.system.compute_dtype, world.device)  # float32 weights, `dtype` matrix products
+    policy = common.load_model(str(checkpoint or model_path), world.device, args.system.gradient_checkpointing,
+                               dtype=dtype)
     ref_model = common.load_model(model_path, world.device, trainable=False, dtype=dtype) if args.beta > 0 else None
-    policy = common.parallelize(policy, world, args.fsdp, args.fsdp_cpu_offload, dtype)  # DDP, or FSDP2 with --fsdp
-    ref_model = common.parallelize(ref_model, world, args.fsdp, dtype=dtype) if ref_model is not None else None
+    # DDP, or FSDP2 with --fsdp
+    policy = common.parallelize(policy, world, args.system.fsdp, args.system.fsdp_cpu_offload, dtype)
+    ref_model = common.parallelize(ref_model, world, args.system.fsdp, dtype=dtype) if ref_model is not None else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
-    backend = common.make_backend(args.backend, policy, tokenizer, args, str(checkpoint or model_path), world)
+    backend = common.make_backend(args.system.backend, policy, tokenizer, args.system, args.task, args.seed,
+                                  str(checkpoint or model_path), world)
     run_dir = run.create()  # a new run's folder, made once every input has loaded
-    logger = bookkeeping.RunLogger(run_dir, args, world, SCRIPT, args.track, args.wandb_project, state and state["step"])
+    logger = bookkeeping.RunLogger(run_dir, args, world, SCRIPT, args.log.track, args.log.wandb_project,
+                                   state and state["step"])
 
     # What a checkpoint holds besides the weights; a resumed run restores it and continues as if never stopped
     sampler = common.PromptSampler(train_tasks, args.seed)
@@ -353,23 +291,24 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
     stateful = {"optimizer": common.OptimizerState(policy, optimizer), "scheduler": scheduler, "sampler": sampler}
     start_step, skipped_steps, skipped_in_row = 1, 0, 0
     if state:
-        start_step, skipped_steps = bookkeeping.restore_trainer_state(state, args.resume, update_rng, **stateful)
+        start_step, skipped_steps = bookkeeping.restore_trainer_state(state, args.log.resume, update_rng, **stateful)
     stop = bookkeeping.StopRequest()  # Ctrl-C / SIGTERM: finish the step, save, exit
 
     bar, scalars = bookkeeping.ProgressBar(args.num_steps, world, initial=start_step - 1), {}
-    if start_step == 1 and args.eval_size:  # step 0: the starting model, so that every curve begins there
+    if start_step == 1 and args.task.eval_size:  # step 0: the starting model, so that every curve begins there
         bar.phase("evaluating")
-        logger.log(0, common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, world, args.prompt_template))
+        logger.log(0, common.evaluate(backend, tokenizer, eval_tasks, args.task.max_new_tokens, world,
+                                      args.task.prompt_template))
     for step in range(start_step, args.num_steps + 1):
         step_start = time.perf_counter()
 
         # ---- Rollout: G completions for each prompt of this process's share --------------------------
         tasks = sampler.next_batch(args.prompts_per_step, world)
-        prompts = [common.make_prompt(tokenizer, t, args.prompt_template) for t in tasks]
+        prompts = [common.make_prompt(tokenizer, t, args.task.prompt_template) for t in tasks]
         bar.phase("generating")
         with bookkeeping.Timer() as generation_time, bookkeeping.out_of_memory_hint("generation", args):
-            rollout = backend.generate(prompts, args.group_size, args.max_new_tokens, args.temperature,
-                                       args.top_p, seed=common.generation_seed(args.seed, step, world.rank))
+            rollout = backend.generate(prompts, args.group_size, args.task.max_new_tokens, args.task.temperature,
+                                       args.task.top_p, seed=common.generation_seed(args.seed, step, world.rank))
         group_tasks = [t for t in tasks for _ in range(args.group_size)]
 
         # ---- Reward ------------------------------------------------------------------------------
@@ -388,7 +327,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             # the detached current ones and need no extra forward pass.
             on_policy = args.update_epochs == 1 and args.num_minibatches == 1
             old_logprobs = None if on_policy else common.batched_logprobs(
-                policy, rollout, args.micro_batch_size, args.temperature)[0]
+                policy, rollout, args.system.micro_batch_size, args.task.temperature)[0]
 
             # ---- Update (eq. 9, 11) --------------------------------------------------------------
             update_means, skipped = update_policy(policy, optimizer, rollout, advantages, old_logprobs, ref_model,
@@ -418,25 +357,26 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             "charts/skipped_steps": skipped_steps,
             "time/generation": generation_time.seconds, "time/update": update_time.seconds,
             "time/weight_sync": sync_time.seconds, "time/step": step_time})
-        if args.eval_size and (args.eval_every and step % args.eval_every == 0 or step == args.num_steps):
+        if args.task.eval_size and (args.log.eval_every and step % args.log.eval_every == 0 or step == args.num_steps):
             bar.phase("evaluating")
-            scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.max_new_tokens, world,
-                                           args.prompt_template))
+            scalars.update(common.evaluate(backend, tokenizer, eval_tasks, args.task.max_new_tokens, world,
+                                           args.task.prompt_template))
         logger.log(step, scalars)
-        if step % args.log_samples_every == 0 or step == 1:
+        if step % args.log.log_samples_every == 0 or step == 1:
             logger.log_samples(step, [prompts[i // args.group_size] for i in range(len(rewards))], rollout.texts,
                                rewards.tolist())
         bar.show(scalars)
 
         # ---- Checkpoint, then stop on a request or after --max-skipped-steps bad steps in a row ----------
         stopping = stop.requested(world)
-        diverged = skipped_in_row >= args.max_skipped_steps
+        diverged = skipped_in_row >= args.system.max_skipped_steps
         final = step == args.num_steps or stopping or diverged
-        if args.save_every and step % args.save_every == 0 or final:
-            bookkeeping.save_checkpoint(policy, tokenizer, run_dir, step, world, keep=args.keep_checkpoints, final=final,
+        if args.log.save_every and step % args.log.save_every == 0 or final:
+            bookkeeping.save_checkpoint(policy, tokenizer, run_dir, step, world, keep=args.log.keep_checkpoints,
+                                        final=final,
                                    state=bookkeeping.trainer_state(step, skipped_steps, update_rng, **stateful))
         if diverged:  # the skipped updates never reached the weights: the checkpoint is the last good state
-            raise common.RunStopped(bookkeeping.divergence_message(skipped_in_row, args.max_skipped_steps,
+            raise common.RunStopped(bookkeeping.divergence_message(skipped_in_row, args.system.max_skipped_steps,
                                                               f"{run_dir}/checkpoint-{step}"))
         if stopping:
             bar.write(f"stopped after step {step}; continue with: python {SCRIPT}.py --resume {run_dir}")

@@ -21,6 +21,7 @@ def measure(a) -> dict:
     sys.path.insert(0, ROOT)
     import torch
 
+    import bookkeeping
     import common
     import grpo
 
@@ -28,9 +29,9 @@ def measure(a) -> dict:
     path = common.resolve_model(a.model)
     tokenizer = common.load_tokenizer(path)
     model = common.load_model(path, world.device)
-    args = grpo.Args(backend=a.backend, max_new_tokens=a.max_new, seed=0)
+    args = bookkeeping.build_args(grpo.Args, backend=a.backend, max_new_tokens=a.max_new, seed=0)
     start = time.perf_counter()
-    backend = common.make_backend(a.backend, model, tokenizer, args, path, world)
+    backend = common.make_backend(a.backend, model, tokenizer, args.system, args.task, args.seed, path, world)
     startup = time.perf_counter() - start
     prompts = [common.make_prompt(tokenizer, t) for t in common.generate_tasks(a.prompts, 1)]
     backend.generate(prompts[:1], 2, 8, 1.0, seed=1)  # warm-up

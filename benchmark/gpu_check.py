@@ -88,11 +88,13 @@ def check_script(name: str, model_dir: str, runs_dir: str, steps: int, max_new_t
     import importlib
     import shutil
 
+    import bookkeeping
+
     algo = importlib.import_module(name)
-    args = algo.Args(model=model_dir, runs_dir=runs_dir, num_steps=steps, learning_rate=1e-6,
-                     max_new_tokens=max_new_tokens, micro_batch_size=micro_batch_size, eval_every=0, eval_size=0,
-                     save_every=0,
-                     device=device, compute_dtype="bfloat16", max_tokens_per_micro_batch=max_tokens, **FLAGS[name])
+    args = bookkeeping.build_args(
+        algo.Args, model=model_dir, runs_dir=runs_dir, num_steps=steps, learning_rate=1e-6,
+        max_new_tokens=max_new_tokens, micro_batch_size=micro_batch_size, eval_every=0, eval_size=0, save_every=0,
+        device=device, compute_dtype="bfloat16", max_tokens_per_micro_batch=max_tokens, **FLAGS[name])
     if name == "dapo":
         args.overlong_buffer = max_new_tokens // 4
     if device == "cuda":

@@ -78,9 +78,11 @@ evaluation task; evaluated and saved only at the end (the defaults do the same i
 
 
 def script_args(module, **fields):
-    """`module.Args(**fields)` (grpo, dapo, ppo, plot, study/...): the one place the tests construct an Args,
-    from flat field names."""
-    return module.Args(**fields)
+    """`module.Args` (grpo, dapo, ppo, plot, study/...) from flat field names, each put into the section of
+    Args that holds it: the one place the tests construct an Args."""
+    import bookkeeping
+
+    return bookkeeping.build_args(module.Args, **fields)
 
 
 def tiny_args(module, **overrides):
@@ -150,7 +152,8 @@ def subprocess_env(threads: str = "2") -> dict:
 
 def run_script(args, timeout=600, torchrun=False, threads="2"):
     """`python SCRIPT ARGS...` (or under `torchrun --nproc_per_node=2`) from the repository root."""
-    prefix = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun else [sys.executable]
+    prefix = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+              "--nproc_per_node=2"] if torchrun else [sys.executable]
     return subprocess.run(prefix + args, cwd=ROOT, env=subprocess_env(threads), capture_output=True, text=True,
                           timeout=timeout)
 

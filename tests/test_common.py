@@ -22,7 +22,8 @@ def test_generated_tasks_are_solvable_deterministic_and_held_out():
     assert tasks == common.generate_tasks(300, seed=3)
     for t in tasks:
         assert 3 <= len(t["nums"]) <= 4 and all(1 <= n <= 99 for n in t["nums"])
-        assert countdown_reward.compute_score(f"</think><answer>{t['solution']}</answer>", t["nums"], t["target"]) == 1.0
+        assert countdown_reward.compute_score(f"</think><answer>{t['solution']}</answer>", t["nums"],
+                                              t["target"]) == 1.0
     easy = common.generate_tasks(50, seed=0, min_numbers=2, max_numbers=2, max_value=10, operators="+")
     assert all(t["target"] == sum(t["nums"]) for t in easy)
     train, test = common.load_countdown("generated", test_size=64, seed=5, train_size=2000)
@@ -60,7 +61,8 @@ def test_prompt_sampler_shards_the_same_global_batch():
 def test_prompt_uses_chat_template_and_prefill(tokenizer):
     task = {"nums": [3, 5, 7], "target": 22}
     chat = common.make_prompt(tokenizer, task)
-    assert chat.startswith("<|im_start|>system") and "Using the numbers [3, 5, 7], create an equation that equals 22" in chat
+    assert chat.startswith("<|im_start|>system")
+    assert "Using the numbers [3, 5, 7], create an equation that equals 22" in chat
     assert chat.endswith("<|im_start|>assistant\nLet me solve this step by step.\n<think>")
     base = common.make_prompt(tokenizer, task, "base")
     assert base.startswith("A conversation between User and Assistant") and base.endswith("<think>")
@@ -224,7 +226,10 @@ def test_a_saved_config_reads_the_same_in_transformers_4_and_5(rope, tmp_path):
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved.get("rope_theta", 10000.0) == 1e6  # as 4.x reads it
     scaling = saved.get("rope_scaling")
-    assert (scaling is None) if rope["rope_type"] == "default" else (scaling["type"] == "yarn" and scaling["factor"] == 4.0)
+    if rope["rope_type"] == "default":
+        assert scaling is None
+    else:
+        assert scaling["type"] == "yarn" and scaling["factor"] == 4.0
     reloaded = AutoConfig.from_pretrained(tmp_path).rope_parameters  # and 5.x still reads what it wrote
     assert {k: reloaded[k] for k in rope} == rope
 

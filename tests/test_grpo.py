@@ -112,7 +112,8 @@ def test_grpo_learns_a_toy_reward(peaked_model_dir, tmp_path):
 
 # ---- The update does not depend on the split ----------------------------------------------------------
 def test_update_is_the_same_for_any_split(tiny_model_dir, tmp_path):
-    start = torch.cat([t.flatten() for t in common.load_model(tiny_model_dir, torch.device("cpu")).state_dict().values()])
+    start = torch.cat([t.flatten() for t in common.load_model(tiny_model_dir,
+                                                              torch.device("cpu")).state_dict().values()])
     whole = assert_same_update_for_any_split("grpo", tiny_model_dir, tmp_path, 2)
     assert (whole - start).abs().max() > 1e-2  # the update moved the weights
     accumulated = run_update("grpo", tiny_model_dir, tmp_path / "accum.pt", micro_batch_size=1)

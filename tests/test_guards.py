@@ -27,7 +27,8 @@ def test_nan_rewards_never_reach_the_weights_and_stop_the_run(algo, tiny_model_d
     # two minibatches: each optimizer step of a step is skipped and counted; the stop counts steps
     args = tiny_args(algo, model=tiny_model_dir, runs_dir=str(tmp_path), num_steps=5, num_minibatches=2,
                      max_skipped_steps=2)
-    with pytest.raises(common.RunStopped, match=r"2 steps in a row had a non-finite gradient \(--max-skipped-steps=2\)"):
+    with pytest.raises(common.RunStopped,
+                       match=r"2 steps in a row had a non-finite gradient \(--max-skipped-steps=2\)"):
         algo.train(args, reward_fn=nan_reward)
     run, rows = read_metrics(tmp_path)
     saved = checkpoint_weights(os.path.join(run, "checkpoint-2"))

@@ -105,7 +105,8 @@ def test_resume_still_refuses_a_crafted_trainer_state(tmp_path, monkeypatch):
     with pytest.raises(common.ConfigError, match="refused to load it"):
         bookkeeping.find_checkpoint(str(tmp_path))
     assert ran == []
-    assert bookkeeping.newest_intact_checkpoint(bookkeeping.complete_checkpoints(tmp_path), load_state=False)[0].name == \
+    assert bookkeeping.newest_intact_checkpoint(bookkeeping.complete_checkpoints(tmp_path),
+                                                load_state=False)[0].name == \
         "checkpoint-2"  # evaluate.py never unpickles it, and scores the weights
 
 

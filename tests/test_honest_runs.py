@@ -44,7 +44,8 @@ def test_a_flag_typed_at_its_default_value_still_counts(finished_run):
     assert result.returncode == 2
     assert "--learning-rate=1e-05 is not allowed with --resume: the run was started with 0.001" in result.stderr
     # --num-steps at its default (60) extends the run: it is what the user typed
-    extended, _, _ = bookkeeping.resume_args(script_args(grpo, resume=finished_run), script_args(grpo), finished_run, "grpo",
+    extended, _, _ = bookkeeping.resume_args(script_args(grpo, resume=finished_run), script_args(grpo), finished_run,
+                                             "grpo",
                                         {"num_steps"})
     assert extended.num_steps == 60 and extended.learning_rate == 1e-3
 
@@ -69,7 +70,8 @@ def test_runs_started_in_the_same_second_get_their_own_folders_and_a_second_writ
 
 
 def test_a_lock_dies_with_its_process(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import bookkeeping, common, time; run = bookkeeping.RunDir(%r, 'x', 1, None, "
+    holder = subprocess.Popen([sys.executable, "-c",
+                               "import bookkeeping, common, time; run = bookkeeping.RunDir(%r, 'x', 1, None, "
                                "common.Dist()); run.create(); print('ok', flush=True); time.sleep(60)" % str(tmp_path)],
                               cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "ok"
@@ -288,7 +290,8 @@ def small_disk(tmp_path):
 def test_a_full_disk_keeps_the_last_checkpoint_and_says_so(tiny_model_dir, small_disk, capfd):
     args = tiny_args(grpo, model=tiny_model_dir, runs_dir=str(small_disk), num_steps=3, save_every=1,
                      keep_checkpoints=2)
-    with pytest.raises(common.RunStopped, match=r"cannot write .*checkpoint-3 \(disk full.*the previous checkpoint is intact"):
+    with pytest.raises(common.RunStopped,
+                       match=r"cannot write .*checkpoint-3 \(disk full.*the previous checkpoint is intact"):
         grpo.train(args, reward_fn=even_token_reward)
     assert "checkpoint-2 (disk full" in capfd.readouterr().err  # a failed save mid-run: said, and training went on
     (run_dir,) = [p for p in small_disk.iterdir() if p.is_dir()]

@@ -72,7 +72,8 @@ def test_every_flag_has_a_row():
 
 def test_no_row_names_a_flag_that_no_script_has():
     flags = script_flags()
-    negations = {"--no-" + f[2:] for f, fields in flags.items() if any(x.type in (bool, "bool") for x in fields.values())}
+    negations = {"--no-" + f[2:] for f, fields in flags.items() if any(x.type in (bool,
+                                                                                  "bool") for x in fields.values())}
     unknown = sorted(set(flags_in(DOC.read_text(encoding="utf-8"))) - set(flags) - negations)
     assert not unknown, f"docs/peers.md names flags that no script has: {unknown}"
 

@@ -32,7 +32,8 @@ def rows(run_dir):
 
 def interrupt(cmd, runs, sig):
     """Start a run, and send `sig` once its first checkpoint is complete."""
-    proc = subprocess.Popen(cmd, env=subprocess_env("1"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=subprocess_env("1"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         if os.path.isdir(runs) and os.listdir(runs) and bookkeeping.complete_checkpoints(run_dir_of(runs)):

@@ -32,7 +32,8 @@ def test_engine_matches_hf_and_follows_weight_syncs(bundled_dir, tmp_path):
     for name in os.listdir(bundled_dir):
         if name != "generation_config.json":
             os.symlink(os.path.join(bundled_dir, name), model_dir / name)
-    GenerationConfig(repetition_penalty=1.3, top_k=5, top_p=0.8, temperature=0.3, do_sample=True).save_pretrained(model_dir)
+    GenerationConfig(repetition_penalty=1.3, top_k=5, top_p=0.8, temperature=0.3,
+                     do_sample=True).save_pretrained(model_dir)
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "vllm_worker.py"), str(model_dir),
                              str(tmp_path)], capture_output=True, text=True, timeout=900, env=env)
@@ -88,7 +89,8 @@ def test_an_engine_per_torchrun_process_follows_the_sharded_weights(small_model_
 def test_evaluate_scores_the_same_greedy_completions_with_vllm(bundled_dir):
     """evaluate.py --backend vllm: the engine's greedy completions are the trainer's (fp32 on both sides
     here), so every greedy number matches --backend hf; sampled scores come out as probabilities."""
-    flags = ["evaluate.py", bundled_dir, "--size", "4", "--test-size", "64", "--max-new-tokens", "16", "--task-min-numbers", "2",
+    flags = ["evaluate.py", bundled_dir, "--size", "4", "--test-size", "64", "--max-new-tokens", "16",
+             "--task-min-numbers", "2",
              "--task-max-numbers", "2", "--task-max-value", "20", "--task-operators", "+"]
     scored = {}
     for backend in ("hf", "vllm"):

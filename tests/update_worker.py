@@ -22,16 +22,16 @@ from conftest import script_args, synthetic_rollout  # noqa: E402
 def main():
     algo_name, model_dir, out = sys.argv[1:4]
     algo = importlib.import_module(algo_name)
-    overrides = dict(kv.split("=", 1) for kv in sys.argv[4:])
+    defaults = bookkeeping.flat_args(script_args(algo))
+    overrides = {}
+    for k, v in (kv.split("=", 1) for kv in sys.argv[4:]):
+        kind = type(defaults[k])
+        overrides[k] = v == "True" if kind is bool else kind(v)
     # no clipping: it would hide a wrongly scaled gradient. One minibatch: each process shuffles its own
     # share into minibatches, so with several the minibatches (not the update's sums) depend on the split
-    args = script_args(algo, model=model_dir, beta=0.05, learning_rate=1.0, group_size=4, prompts_per_step=2,
-                       max_grad_norm=1e9, num_minibatches=1)
-    if algo_name == "ppo":
-        args.critic_learning_rate, args.lam, args.clip_value = 1.0, 0.95, 0.05
-    for k, v in overrides.items():
-        kind = type(getattr(args, k))
-        setattr(args, k, v == "True" if kind is bool else kind(v))
+    ppo_settings = dict(critic_learning_rate=1.0, lam=0.95, clip_value=0.05) if algo_name == "ppo" else {}
+    args = script_args(algo, **{**dict(model=model_dir, beta=0.05, learning_rate=1.0, group_size=4, prompts_per_step=2,
+                                       max_grad_norm=1e9, num_minibatches=1), **ppo_settings, **overrides})
     world = common.setup_distributed("cpu")
     torch.manual_seed(0)
     policy = common.load_model(model_dir, world.device)
@@ -60,18 +60,19 @@ def main():
         token_reward = algo.token_rewards(rewards, old_logprobs_full, ref_logprobs_full, mask, args.beta)
         advantages, returns = algo.gae_advantages(token_reward, old_values, mask, args.gamma, args.lam)
         advantages = algo.whiten(advantages[s], mask[s], world)
-        policy, critic = common.parallelize(policy, world, args.fsdp), common.parallelize(critic, world, args.fsdp)
+        policy, critic = common.parallelize(policy, world, args.system.fsdp), common.parallelize(critic, world,
+                                                                                                 args.system.fsdp)
         optimizer = torch.optim.SGD(policy.parameters(), lr=args.learning_rate)
         critic_optimizer = torch.optim.SGD(critic.parameters(), lr=args.critic_learning_rate)
         algo.update_policy(policy, critic, optimizer, critic_optimizer, mine, advantages, returns[s],
                            old_logprobs_full[s], old_values[s], args, torch.Generator().manual_seed(0), world)
         trained.append(critic)
     else:
-        policy = common.parallelize(policy, world, args.fsdp)  # DDP, or FSDP2 with fsdp=True
+        policy = common.parallelize(policy, world, args.system.fsdp)  # DDP, or FSDP2 with fsdp=True
         optimizer = torch.optim.SGD(policy.parameters(), lr=args.learning_rate)
         algo.update_policy(policy, optimizer, mine, advantages[s], old_logprobs_full[s], ref_model,
                            args, torch.Generator().manual_seed(0), world)
-    assert all(common.is_sharded(m) == (args.fsdp and world.enabled) for m in trained)
+    assert all(common.is_sharded(m) == (args.system.fsdp and world.enabled) for m in trained)
     full = [bookkeeping.full_state_dict(m) or common.unwrap(m).state_dict() for m in trained]  # gathers FSDP2 shards
     if world.is_main:
         torch.save(torch.cat([t.detach().flatten() for sd in full for t in sd.values()]), out)

@@ -30,8 +30,8 @@ def main():
     tok = common.load_tokenizer(model_dir)
     policy = common.load_model(model_dir, world.device)
     args = script_args(grpo, backend="vllm", max_new_tokens=16)
-    engine = common.make_backend("vllm", policy, tok, args, model_dir, world)
-    hf = common.make_backend("hf", policy, tok, args)
+    engine = common.make_backend("vllm", policy, tok, args.system, args.task, args.seed, model_dir, world)
+    hf = common.make_backend("hf", policy, tok, args.system)
     prompts = [common.make_prompt(tok, t) for t in common.generate_tasks(4, 3)]
     result = {}
 
@@ -73,7 +73,7 @@ def main():
 
     # 4. a fresh engine started from the changed weights gives what the synced engine gave (created
     # last: tearing down a second in-process engine would reset vLLM's global state under the first)
-    fresh = common.make_backend("vllm", policy, tok, args, changed, world)
+    fresh = common.make_backend("vllm", policy, tok, args.system, args.task, args.seed, changed, world)
     result["synced_equals_fresh"] = synced == greedy(fresh, prompts)[0]
     print(json.dumps(result))
 

@@ -23,11 +23,20 @@ def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")  # tyro's default spelling
 
 
+def leaf_fields(cls) -> list[dataclasses.Field]:
+    """The fields that are flags: Args's own, and those of its shared sections (flags without a prefix)."""
+    out = []
+    for field in dataclasses.fields(cls):
+        section = field.default_factory if field.default_factory is not dataclasses.MISSING else None
+        out += leaf_fields(section) if dataclasses.is_dataclass(section) else [field]
+    return out
+
+
 def script_flags() -> dict[str, dict[str, dataclasses.Field]]:
     """flag -> {script: its Args field}."""
     flags: dict[str, dict[str, dataclasses.Field]] = {}
     for script, module in SCRIPTS.items():
-        for field in dataclasses.fields(module.Args):
+        for field in leaf_fields(module.Args):
             flags.setdefault(flag_name(field.name), {})[script] = field
     return flags
 

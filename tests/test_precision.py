@@ -57,7 +57,7 @@ def test_the_forward_runs_in_the_compute_dtype_and_the_weights_stay_float32(tiny
     assert 0 < (logprobs - reference).abs().max() < 0.1  # bf16 products: close to, not equal to, fp32
 
 
-COMPUTE_DTYPES = typing.get_args(typing.get_type_hints(grpo.Args)["compute_dtype"])  # the flag's choices
+COMPUTE_DTYPES = typing.get_args(typing.get_type_hints(common.SystemArgs)["compute_dtype"])  # the flag's choices
 
 
 @pytest.mark.parametrize("name", COMPUTE_DTYPES)

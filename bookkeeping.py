@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.util
 import json
 import os
 import pickle
@@ -134,6 +135,8 @@ def check_common_args(args, world_size: int = 1) -> None:
     """Checks that every script shares; each script adds its own before loading anything."""
     check_finite(args)
     require(0 <= args.seed < 2**31, "seed", args.seed, "in [0, 2**31)")
+    require(not args.log.track or importlib.util.find_spec("wandb") is not None, "track", args.log.track,
+            "off unless wandb is installed (pip install wandb)")  # checked before the run folder exists
     require(bool(args.exp_name) and args.exp_name not in (".", "..") and "/" not in args.exp_name
             and os.sep not in args.exp_name and "\0" not in args.exp_name, "exp_name", args.exp_name,
             "a name without path separators or NUL, not '.' or '..'")

@@ -131,15 +131,14 @@ def sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float):
     """Minus eq. 9's clipped surrogate (without the KL term), sample-level aggregation.
 
-    logprobs, old_logprobs, mask: (B, T); advantages: (B,), one per sequence, shared by its tokens
-    (or (B, T) once engine_correction has weighted them).
+    logprobs, old_logprobs, mask: (B, T); advantages: (B, T) or (B, 1), a sequence's advantage on each of its
+    tokens (eq. 9's A_i for every t), weighted per token by engine_correction under vLLM.
     """
     mask = mask.to(logprobs.dtype)
     log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     ratio = torch.exp(log_ratio)
-    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages  # per sequence, or per token
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages
     surrogate = torch.min(unclipped, clipped)
     loss = -sequence_mean(surrogate, mask)
     with torch.no_grad():
@@ -162,7 +161,7 @@ def engine_correction(advantages, old_logprobs, engine_logprobs, cap: float):
     advantage weights the clipped surrogate: min(r A, clip(r) A) w = min(r A w, clip(r) A w) for w >= 0."""
     gap = (old_logprobs - engine_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     if cap > 0:
-        advantages = (advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages) * gap.exp().clamp(max=cap)
+        advantages = advantages * gap.exp().clamp(max=cap)  # (B, 1) or (B, T) -> per token
     return advantages, gap.abs()
 
 
@@ -198,7 +197,7 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
                     logprobs, entropy = common.completion_logprobs(policy, *mb.inputs(rollout), args.task.temperature,
                                                                    with_entropy=True)
                     old = logprobs.detach() if on_policy else mb(old_logprobs)
-                    adv, engine_gap = mb(advantages), None
+                    adv, engine_gap = mb(advantages).unsqueeze(-1), None  # (b, 1): on every token
                     if rollout.logprobs is not None:  # vLLM sampled the tokens
                         adv, engine_gap = engine_correction(adv, old, mb(rollout.logprobs),
                                                             args.system.vllm_importance_cap)

@@ -240,7 +240,7 @@ def engine_correction(advantages, old_logprobs, engine_logprobs, cap: float):
     advantage weights the clipped surrogate: min(r A, clip(r) A) w = min(r A w, clip(r) A w) for w >= 0."""
     gap = (old_logprobs - engine_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     if cap > 0:
-        advantages = (advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages) * gap.exp().clamp(max=cap)
+        advantages = advantages * gap.exp().clamp(max=cap)  # (B, 1) or (B, T) -> per token
     return advantages, gap.abs()
 
 

@@ -53,7 +53,7 @@ def test_token_level_against_sample_level_aggregation():
     # Lengths 1 and 3, advantages +1 and -1, ratio 1. Token-level (eq. 12): -(1 - 3) / 4 = 0.5, every
     # token weighs 1/4. Sample-level (eq. 9): -(1 - 1) / 2 = 0, tokens weigh 1/(2 |o_i|).
     mask = torch.tensor([[1.0, 0, 0], [1, 1, 1]])
-    advantages = torch.tensor([1.0, -1.0])
+    advantages = torch.tensor([[1.0], [-1.0]])  # per sequence, on each of its tokens
     logprobs = torch.zeros(2, 3, requires_grad=True)
     loss, _ = dapo.policy_loss(logprobs, torch.zeros(2, 3), advantages, mask, 0.2, 0.28)
     loss.backward()
@@ -66,7 +66,7 @@ def test_token_level_against_sample_level_aggregation():
 def test_token_level_equals_sample_level_when_lengths_are_equal():
     g = torch.Generator().manual_seed(0)
     logprobs, old = torch.randn(4, 5, generator=g) * 0.1, torch.randn(4, 5, generator=g) * 0.1
-    advantages, mask = torch.randn(4, generator=g), torch.ones(4, 5)
+    advantages, mask = torch.randn(4, 1, generator=g), torch.ones(4, 5)
     token_level, _ = dapo.policy_loss(logprobs, old, advantages, mask, 0.2, 0.2)
     sample_level, _ = grpo.policy_loss(logprobs, old, advantages, mask, 0.2)
     assert token_level.item() == pytest.approx(sample_level.item(), abs=1e-6)
@@ -75,7 +75,7 @@ def test_token_level_equals_sample_level_when_lengths_are_equal():
 def test_parts_divided_by_the_global_token_count_sum_to_the_whole():
     g = torch.Generator().manual_seed(1)
     logprobs, old = torch.randn(6, 4, generator=g) * 0.2, torch.randn(6, 4, generator=g) * 0.2
-    advantages = torch.randn(6, generator=g)
+    advantages = torch.randn(6, 1, generator=g)
     mask = torch.tensor([[1.0, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
     whole, _ = dapo.policy_loss(logprobs, old, advantages, mask, 0.2, 0.28)
     n = mask.sum()

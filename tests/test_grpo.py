@@ -91,7 +91,7 @@ def test_sample_level_aggregation_weights_each_sequence_equally():
     # sequence, then sequences: (1 + (-1)) / 2 = 0. Token-level would give (1 - 3) / 4 = -0.5.
     logprobs = torch.zeros(2, 3, requires_grad=True)
     mask = torch.tensor([[1.0, 0, 0], [1, 1, 1]])
-    loss, stats = grpo.policy_loss(logprobs, torch.zeros(2, 3), torch.tensor([1.0, -1.0]), mask, 0.2)
+    loss, stats = grpo.policy_loss(logprobs, torch.zeros(2, 3), torch.tensor([[1.0], [-1.0]]), mask, 0.2)
     loss.backward()
     assert loss.item() == pytest.approx(0.0, abs=1e-7)
     # d loss / d logprob_{i,t} = -A_i / (|o_i| * G)
@@ -156,7 +156,7 @@ def test_garbage_in_padding_changes_neither_loss_nor_gradient(garbage):
     results = []
     for padding in (0.0, garbage):
         logprobs = torch.where(mask.bool(), clean, padding).requires_grad_(True)
-        loss, stats = grpo.policy_loss(logprobs, old, torch.tensor([1.0, -1.0]), mask, 0.2)
+        loss, stats = grpo.policy_loss(logprobs, old, torch.tensor([[1.0], [-1.0]]), mask, 0.2)
         kl = grpo.sequence_mean(grpo.kl_k3(logprobs, ref), mask)
         (loss + 0.1 * kl).backward()
         results.append((loss.item(), kl.item(), logprobs.grad.clone(), stats["clipfrac"]))

@@ -318,13 +318,14 @@ class RunDir:
 
 
 def code_version() -> dict:
-    """The commit of the code that runs and whether tracked files differ from it (None outside a git clone)."""
+    """The commit of the code that runs and whether its code differs from it: tracked Python files and
+    requirements, not results or docs that a study adds or edits beside the code (None outside a git clone)."""
     root = Path(__file__).resolve().parent
     try:
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                                 timeout=10).stdout.strip()
-        changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                                 capture_output=True, text=True, timeout=10).stdout.strip()
+        changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
+                                  "*.py", "requirements*.txt"], capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         commit, changed = "", ""
     return {"commit": commit or None, "dirty": bool(changed) if commit else None}

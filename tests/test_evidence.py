@@ -157,6 +157,24 @@ def test_a_run_records_its_code_version_and_ppo_logs_kl_to_the_reference(tiny_mo
     assert rows[-1]["losses/kl_ref"] >= 0 and "charts/eval_best_constant" in rows[0]
 
 
+def test_the_code_version_is_dirty_for_code_changes_only(tmp_path):
+    """A study adds and edits results beside the code: only a changed .py or requirements file is `dirty`."""
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", "--local", str(ROOT), str(clone)], check=True)
+
+    def dirty() -> bool:
+        code = "import bookkeeping, json; print(json.dumps(bookkeeping.code_version()))"
+        out = subprocess.run([sys.executable, "-c", code], cwd=clone, capture_output=True, text=True, check=True)
+        return json.loads(out.stdout.splitlines()[-1])["dirty"]
+
+    assert dirty() is False
+    (clone / "study" / "README.md").write_text("edited")
+    next(clone.glob("study/results/cpu/*/*/metrics.jsonl")).unlink()
+    assert dirty() is False
+    (clone / "grpo.py").write_text((clone / "grpo.py").read_text() + "\n# edited\n")
+    assert dirty() is True
+
+
 def test_ppo_kl_to_the_reference_is_grpos_estimate():
     import torch
 

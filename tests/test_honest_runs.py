@@ -1,7 +1,6 @@
 """Runs that cannot lie: resume honours what was typed, one writer per run folder, one history per run,
 inputs checked before anything loads, nothing executed from a checkpoint, no work lost to a full disk."""
 
-import dataclasses
 import json
 import math
 import os
@@ -144,7 +143,7 @@ def test_broken_parquet_files_and_folders_get_one_line(tmp_path):
 @pytest.mark.parametrize("algo", [grpo, dapo, ppo])
 def test_every_float_flag_refuses_nan_and_infinity(algo):
     defaults = script_args(algo)
-    floats = [f.name for f in dataclasses.fields(defaults) if isinstance(getattr(defaults, f.name), float)]
+    floats = [name for name, value in bookkeeping.flat_args(defaults).items() if isinstance(value, float)]
     assert "learning_rate" in floats and len(floats) >= 8
     for name in floats:
         for bad in (math.nan, math.inf, -math.inf):

@@ -7,6 +7,7 @@ import sys
 import pytest
 import tyro
 
+from bookkeeping import flat_args
 import common
 import grpo
 from conftest import ROOT, script_args, tiny_args
@@ -36,12 +37,12 @@ def test_every_study_command_passes_its_scripts_flag_checks(experiment, scale, t
         script = importlib.import_module(cmd[1].rsplit("/", 1)[-1][:-3])
         parsed = tyro.cli(script.Args, args=cmd[2:])
         script.check_args(parsed, 1)
-        assert parsed.exp_name == variant and parsed.runs_dir == str(tmp_path / scale / experiment)
+        assert parsed.exp_name == variant and parsed.log.runs_dir == str(tmp_path / scale / experiment)
         if scale == "paper":
-            assert parsed.model == "Qwen/Qwen2.5-1.5B-Instruct" and parsed.max_new_tokens == 1024
+            assert parsed.model == "Qwen/Qwen2.5-1.5B-Instruct" and parsed.task.max_new_tokens == 1024
     # the variants differ in the flags the experiment is about, and only there
     parsed = [tyro.cli(importlib.import_module(c[1].rsplit("/", 1)[-1][:-3]).Args, args=c[2:]) for _, c in commands]
-    assert len({repr({k: v for k, v in vars(p).items() if k != "exp_name"}) for p in parsed}) == len(parsed)
+    assert len({repr({k: v for k, v in flat_args(p).items() if k != "exp_name"}) for p in parsed}) == len(parsed)
 
 
 def test_a_stopped_study_skips_finished_runs_and_resumes_unfinished_ones(tiny_model_dir, tmp_path):
@@ -102,9 +103,9 @@ def test_the_readme_quick_start_is_the_studys_grpo_run():
     assert re.findall(r"^python grpo\.py$", quick_start, flags=re.M) == ["python grpo.py"]
     (_, cmd), *_ = study.run_commands(script_args(study, experiment="algorithms", only=("grpo",), root="/nonexistent"),
                                       "algorithms")
-    study_run = vars(tyro.cli(grpo.Args, args=cmd[2:]))
+    study_run = flat_args(tyro.cli(grpo.Args, args=cmd[2:]))
     bookkeeping = {"runs_dir", "micro_batch_size", "keep_checkpoints", "save_every", "log_samples_every"}
-    assert {k: v for k, v in vars(script_args(grpo)).items() if k not in bookkeeping} == \
+    assert {k: v for k, v in flat_args(script_args(grpo)).items() if k not in bookkeeping} == \
         {k: v for k, v in study_run.items() if k not in bookkeeping}
 
 

@@ -1309,6 +1309,33 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     return out[..., 0], (out[..., 1] if with_entropy else None)
 
 
+def all_gather_rows(world: Dist, rollout: "Rollout", *row_tensors):
+    """Every process's rows of the step, in rank order, on every process: the rollout and per-row tensors
+    ((B,) or (B, T), None passes through). The update draws its minibatches from one permutation of this
+    global batch, so they do not depend on the number of processes. The ids are a few MB at the paper's scale."""
+    if not world.enabled:
+        return (rollout, *row_tensors)
+
+    def gather(tensor: torch.Tensor, left: bool = False) -> torch.Tensor:
+        if tensor.dim() > 1:  # ranks' prompts and completions differ in width: pad to the widest (masked out)
+            width = torch.tensor([tensor.shape[-1]], device=tensor.device)
+            dist.all_reduce(width, op=dist.ReduceOp.MAX)
+            missing = int(width) - tensor.shape[-1]
+            tensor = F.pad(tensor, (missing, 0) if left else (0, missing))
+        parts = [torch.empty_like(tensor) for _ in range(world.world_size)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts)
+
+    texts, reasons = [None] * world.world_size, [None] * world.world_size
+    dist.all_gather_object(texts, rollout.texts)
+    dist.all_gather_object(reasons, rollout.finish_reasons)
+    everyone = Rollout(gather(rollout.prompt_ids, left=True), gather(rollout.prompt_mask, left=True),
+                       gather(rollout.completion_ids), gather(rollout.completion_mask),
+                       [t for part in texts for t in part], [r for part in reasons for r in part],
+                       None if rollout.logprobs is None else gather(rollout.logprobs))
+    return (everyone, *(None if t is None else gather(t) for t in row_tensors))
+
+
 @dataclass
 class MicroBatch:
     """Rows of a rollout for one forward/backward, without the columns that are padding in all of them."""

@@ -250,10 +250,14 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
     `old_logprobs`: pi_old's, (B, T); on-policy (one epoch of one minibatch) pi_old is the policy itself,
     so the update takes them from its own forward pass, detached, and `old_logprobs` is not needed (None).
 
-    Eq. 12 divides by the number of tokens of the whole minibatch, over all processes. Every micro-batch
-    divides its token sum by that global count (times the number of processes, which DDP's gradient
-    average divides out), so the update does not depend on how the batch is split.
+    Minibatches come from one permutation of every process's rows, and each process trains on an equal
+    slice of each. Eq. 12 divides by the number of tokens of the whole minibatch: every micro-batch divides
+    its token sum by that count (over the number of processes, which DDP's gradient average divides out),
+    so the update does not depend on how the batch is split over micro-batches and processes.
     """
+    # every process's rows: the minibatches are slices of one permutation of them all
+    rollout, advantages, old_logprobs, loss_mask = common.all_gather_rows(world, rollout, advantages, old_logprobs,
+                                                                          loss_mask)
     mask = (rollout.completion_mask if loss_mask is None else loss_mask).to(torch.float32)
     batch_size = len(advantages)
     on_policy = args.update_epochs == 1 and args.num_minibatches == 1
@@ -262,11 +266,12 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
     policy.train()
     for _ in range(args.update_epochs):
         for minibatch in torch.randperm(batch_size, generator=update_rng).chunk(args.num_minibatches):
-            num_tokens = common.all_reduce_sum([mask[minibatch].sum().item()], world)[0] / world.world_size
+            rows = minibatch.chunk(world.world_size)[world.rank]  # this process's slice of the minibatch
+            num_tokens = mask[minibatch].sum().item() / world.world_size  # DDP averages over processes
             if num_tokens == 0:  # every token masked out (dynamic sampling found nothing, or all truncated)
                 continue
             optimizer.zero_grad(set_to_none=True)
-            micro_batches = common.micro_batches(rollout, minibatch, args.system.micro_batch_size,
+            micro_batches = common.micro_batches(rollout, rows, args.system.micro_batch_size,
                                                  args.system.max_tokens_per_micro_batch, world)
             for i, mb in enumerate(micro_batches):
                 last = i == len(micro_batches) - 1

@@ -176,20 +176,25 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
     `old_logprobs`: pi_old's, (B, T); on-policy (one epoch of one minibatch) pi_old is the policy itself,
     so the update takes them from its own forward pass, detached, and `old_logprobs` is not needed (None).
 
-    Every process holds the same number of sequences, and DDP averages gradients over processes, so
-    weighting each micro-batch by its share of the local minibatch gives the global sample-level mean:
-    the update does not depend on how the batch is split over micro-batches and processes.
+    Minibatches come from one permutation of every process's rows, and each process trains on an equal
+    slice of each; DDP averages gradients over processes, so weighting each micro-batch by its share of
+    the slice gives the minibatch's sample-level mean: the update does not depend on how the batch is split
+    over micro-batches and processes.
     """
+    # every process's rows: the minibatches are slices of one permutation of them all
+    rollout, advantages, old_logprobs = common.all_gather_rows(world, rollout, advantages, old_logprobs)
     mask = rollout.completion_mask.to(torch.float32)
     batch_size = len(advantages)
+    rows_per_process = batch_size // world.world_size  # in each epoch
     on_policy = args.update_epochs == 1 and args.num_minibatches == 1
     means: dict[str, float] = {}
     skipped = 0
     policy.train()
     for _ in range(args.update_epochs):
         for minibatch in torch.randperm(batch_size, generator=update_rng).chunk(args.num_minibatches):
+            rows = minibatch.chunk(world.world_size)[world.rank]  # this process's slice of the minibatch
             optimizer.zero_grad(set_to_none=True)
-            micro_batches = common.micro_batches(rollout, minibatch, args.system.micro_batch_size,
+            micro_batches = common.micro_batches(rollout, rows, args.system.micro_batch_size,
                                                  args.system.max_tokens_per_micro_batch, world)
             for i, mb in enumerate(micro_batches):
                 last = i == len(micro_batches) - 1
@@ -210,7 +215,7 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
                     else:
                         kl = torch.zeros((), device=logprobs.device)
                     loss = pg_loss + args.beta * kl
-                    (loss * len(mb.idx) / len(minibatch)).backward()
+                    (loss * len(mb.idx) / len(rows)).backward()
                 logged = {"losses/policy_loss": pg_loss.item(), "losses/kl_ref": kl.item(),
                           "losses/entropy": sequence_mean(entropy.detach(), mb(mask)).item(),
                           "losses/surrogate": stats["surrogate"], "losses/clipfrac": stats["clipfrac"],
@@ -218,7 +223,7 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
                 if engine_gap is not None:
                     logged["charts/vllm_logprob_diff"] = sequence_mean(engine_gap, mb(mask)).item()
                 for k, v in logged.items():
-                    means[k] = means.get(k, 0.0) + v * len(mb.idx) / (batch_size * args.update_epochs)
+                    means[k] = means.get(k, 0.0) + v * len(mb.idx) / (rows_per_process * args.update_epochs)
             grad_norm = common.clip_grad_norm_(policy, args.max_grad_norm)
             if torch.isfinite(grad_norm):
                 optimizer.step()

@@ -253,10 +253,14 @@ def update_policy(policy, critic, optimizer, critic_optimizer, rollout: common.R
     """Minimise eq. 3: -eq. 7 + vf_coef * eq. 26 - ent_coef * entropy (eq. 4-5), token-level. Returns the
     update's means under their logged names, and how many optimizer steps a non-finite gradient skipped.
 
-    Each micro-batch divides its token sums by the token count of the whole minibatch over all
-    processes (times the number of processes, which DDP's gradient average divides out), so the
-    update does not depend on how the batch is split. Without `train_actor` only the critic learns.
+    Minibatches come from one permutation of every process's rows, and each process trains on an equal
+    slice of each. Each micro-batch divides its token sums by the token count of the whole minibatch (over
+    the number of processes, which DDP's gradient average divides out), so the update does not depend on
+    how the batch is split over micro-batches and processes. Without `train_actor` only the critic learns.
     """
+    # every process's rows: the minibatches are slices of one permutation of them all
+    rollout, advantages, returns, old_logprobs, old_values = common.all_gather_rows(
+        world, rollout, advantages, returns, old_logprobs, old_values)
     mask = rollout.completion_mask.to(torch.float32)
     batch_size = len(advantages)
     means: dict[str, float] = {}
@@ -265,10 +269,11 @@ def update_policy(policy, critic, optimizer, critic_optimizer, rollout: common.R
     critic.train()
     for _ in range(args.update_epochs):
         for minibatch in torch.randperm(batch_size, generator=update_rng).chunk(args.num_minibatches):
-            num_tokens = common.all_reduce_sum([mask[minibatch].sum().item()], world)[0] / world.world_size
+            rows = minibatch.chunk(world.world_size)[world.rank]  # this process's slice of the minibatch
+            num_tokens = mask[minibatch].sum().item() / world.world_size  # DDP averages over processes
             optimizer.zero_grad(set_to_none=True)
             critic_optimizer.zero_grad(set_to_none=True)
-            micro_batches = common.micro_batches(rollout, minibatch, args.system.micro_batch_size,
+            micro_batches = common.micro_batches(rollout, rows, args.system.micro_batch_size,
                                                  args.system.max_tokens_per_micro_batch, world)
             for i, mb in enumerate(micro_batches):
                 last = i == len(micro_batches) - 1

@@ -27,8 +27,8 @@ def main():
     for k, v in (kv.split("=", 1) for kv in sys.argv[4:]):
         kind = type(defaults[k])
         overrides[k] = v == "True" if kind is bool else kind(v)
-    # no clipping: it would hide a wrongly scaled gradient. One minibatch: each process shuffles its own
-    # share into minibatches, so with several the minibatches (not the update's sums) depend on the split
+    # no gradient clipping: it would hide a wrongly scaled gradient. One minibatch of one epoch unless the
+    # test asks for more (the minibatches are slices of one permutation of both processes' rows)
     ppo_settings = dict(critic_learning_rate=1.0, lam=0.95, clip_value=0.05) if algo_name == "ppo" else {}
     args = script_args(algo, **{**dict(model=model_dir, beta=0.05, learning_rate=1.0, group_size=4, prompts_per_step=2,
                                        max_grad_norm=1e9, num_minibatches=1), **ppo_settings, **overrides})

@@ -25,9 +25,11 @@ import sys
 import time
 from dataclasses import MISSING, dataclass, fields, is_dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 
 import countdown_reward
 from common import (
@@ -49,12 +51,17 @@ class LogArgs:
     """also log to Weights & Biases (needs `pip install wandb`)"""
     wandb_project: str = "rl-countdown"
     """the W&B project, with --track"""
+    wandb_entity: str = ""
+    """the W&B entity (team or user), with --track; empty: W&B's default (WANDB_ENTITY, else your default entity)"""
     eval_every: int = 10
     """greedy evaluation on the held-out split every N steps (0: only at the end)"""
     save_every: int = 10
     """save a checkpoint (HF model + trainer state for --resume) every N steps (0: only at the end)"""
     keep_checkpoints: int = 2
     """keep only the newest N checkpoints (0: keep all)"""
+    final_dtype: Literal["compute", "float32"] = "compute"
+    """dtype of `final/`, the policy's weights alone, written when the run has done all its steps: `compute` is
+    --compute-dtype's, `float32` the trained weights as they are (no `none`: it is at most a third of a checkpoint)"""
     log_samples_every: int = 10
     """write sample completions every N steps"""
     resume: str = ""
@@ -186,6 +193,8 @@ def check_common_args(args, world_size: int = 1) -> None:
     require(args.system.device in ("auto", "cpu", "cuda"), "device", args.system.device, "'auto', 'cpu' or 'cuda'")
     require(args.system.compute_dtype in ("auto", "bfloat16", "float32"), "compute_dtype", args.system.compute_dtype,
             "'auto', 'bfloat16' or 'float32'")
+    require(args.log.final_dtype in ("compute", "float32"), "final_dtype", args.log.final_dtype,
+            "'compute' or 'float32'")
     require(args.prompts_per_step % world_size == 0, "prompts_per_step", args.prompts_per_step,
             f"a multiple of the number of processes ({world_size})")
     local_sequences = args.prompts_per_step // world_size * args.group_size
@@ -197,7 +206,9 @@ def check_common_args(args, world_size: int = 1) -> None:
 # ----------------------------------------------------------------------------------------------------
 # Run folders and logging: args.json, metrics.jsonl, samples.jsonl, TensorBoard, optional W&B; rank 0 only.
 # ----------------------------------------------------------------------------------------------------
-RUN_FILES = (".lock", "args.json", "metrics.jsonl", "samples.jsonl")
+WANDB_RUN_ID = "wandb_run_id"
+"""the W&B run's id, kept in the folder of a --track run: --resume continues that W&B run"""
+RUN_FILES = (".lock", "args.json", "metrics.jsonl", "samples.jsonl", WANDB_RUN_ID)
 """what a run writes in its folder besides checkpoints and TensorBoard's files (new names each time)"""
 RUN_FILE_LIMIT = 16 * 2**20
 """args.json is a few KiB: a larger one is refused, not read whole (a sparse file could take all the memory)"""
@@ -253,8 +264,8 @@ def write_run_file(path: Path, lines, flag: str) -> None:
 
 def check_run_folder(run_dir: Path, flag: str) -> None:
     """--resume, before anything loads: a symbolic link where a run writes (the folder, its files and their
-    temporary files, checkpoint-*) could send a write outside the folder, so any is refused."""
-    names = [name + tmp for name in RUN_FILES for tmp in ("", ".tmp")]
+    temporary files, checkpoint-*, final/) could send a write outside the folder, so any is refused."""
+    names = [name + tmp for name in (*RUN_FILES, FINAL) for tmp in ("", ".tmp")]
     for path in [run_dir, *(run_dir / name for name in names), *sorted(run_dir.glob("checkpoint-*"))]:
         if path.is_symlink():
             raise ConfigError(f"{flag} is not allowed: {path} is a symbolic link; a run folder must hold its own files "
@@ -325,7 +336,8 @@ def code_version() -> dict:
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                                 timeout=10).stdout.strip()
         changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
-                                  "*.py", "requirements*.txt"], capture_output=True, text=True, timeout=10).stdout.strip()
+                                  "*.py", "requirements*.txt"], capture_output=True, text=True,
+                                 timeout=10).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         commit, changed = "", ""
     return {"commit": commit or None, "dirty": bool(changed) if commit else None}
@@ -341,13 +353,13 @@ def read_json_object(path: Path) -> dict:
 
 
 class RunLogger:
-    """args.json, TensorBoard, metrics.jsonl and samples.jsonl on rank 0. `resume_step`: continue a run
-    whose last checkpoint is that step, dropping what was logged after it."""
+    """args.json, TensorBoard, metrics.jsonl and samples.jsonl on rank 0, and with --track a W&B run. `resume_step`:
+    continue a run whose last checkpoint is that step, dropping what was logged after it, in the same W&B run."""
 
     def __init__(self, run_dir: str, args, world: Dist, script: str, track: bool = False, project: str = "rl-countdown",
                  resume_step: int | None = None):
         self.run_dir, self.enabled = Path(run_dir), world.is_main
-        self.writer = None
+        self.writer, self._wandb = None, None
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -360,18 +372,16 @@ class RunLogger:
             check_same_data(earlier.get("data_fingerprint"), data)
             if isinstance(earlier.get("code_versions"), list):
                 versions = [v for v in earlier["code_versions"] if v != versions[0]] + versions
+        if track:  # before anything is written: a W&B start that fails leaves no new folder, a resumed one as it was
+            entity = getattr(getattr(args, "log", None), "wandb_entity", "")
+            self._wandb = self._start_wandb(config, project, entity, resume_step, flag)
+        if resume_step is not None:
             for name in ("metrics.jsonl", "samples.jsonl"):  # before args.json: a refusal leaves the folder as it was
                 _truncate_after(self.run_dir / name, resume_step, flag)
         # with the script's name (--resume refuses another script's run) and the data's fingerprint
         write_run_file(self.run_dir / "args.json", json.dumps(
             {"script": script, **config, "data_fingerprint": data, "code_versions": versions}, indent=2, default=str),
             flag)
-        if track:
-            try:
-                import wandb
-            except ImportError:
-                raise ConfigError("--track=True is not allowed: wandb is not installed (pip install wandb)") from None
-            wandb.init(project=project, name=self.run_dir.name, config=config, sync_tensorboard=True)
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(self.run_dir), purge_step=None if resume_step is None else resume_step + 1)
@@ -381,6 +391,41 @@ class RunLogger:
         self._metrics = os.fdopen(open_run_file(self.run_dir / "metrics.jsonl", append, flag), "a")
         self._samples = os.fdopen(open_run_file(self.run_dir / "samples.jsonl", append, flag), "a")
         print(self.where(), flush=True)
+
+    def _start_wandb(self, config: dict, project: str, entity: str, resume_step: int | None, flag: str):
+        """The run's W&B run (--track): a new one, whose id is kept in the run folder's WANDB_RUN_ID, or for a
+        resumed run the one that id names (resume="allow": W&B continues it, or makes it anew when its server
+        has no such run, e.g. one logged offline and never synced, rather than refusing to train). Called before
+        the folder is written to: if W&B does not start, a new run's folder (RunDir.create() made it, and it
+        holds only its lock) is removed, a resumed one is as it was, and the error is one line."""
+        id_file, run_id = self.run_dir / WANDB_RUN_ID, None
+        if resume_step is not None:
+            run_id = read_run_file(id_file, flag, limit=2**20).strip() if os.path.lexists(id_file) else None
+            if not run_id:
+                print(f"--track: {self.run_dir} holds no W&B run id (a run from before ids were kept): its curves "
+                      f"continue in a new W&B run", file=sys.stderr, flush=True)
+        try:
+            import wandb  # only here: a slow import, needed only with --track
+
+            run = wandb.init(project=project, name=self.run_dir.name, config=config, sync_tensorboard=True,
+                             **({"entity": entity} if entity else {}),
+                             **({"id": run_id, "resume": "allow"} if run_id else {}))
+        except BaseException as err:
+            if resume_step is None:
+                with contextlib.suppress(OSError):
+                    if os.listdir(self.run_dir) == [".lock"]:
+                        os.unlink(self.run_dir / ".lock")
+                        os.rmdir(self.run_dir)
+            if not isinstance(err, Exception):  # Ctrl-C while W&B starts
+                raise
+            if isinstance(err, ModuleNotFoundError) and err.name == "wandb":
+                raise ConfigError("--track=True is not allowed: wandb is not installed (pip install wandb)") from None
+            raise ConfigError(f"--track=True is not allowed: W&B did not start ({type(err).__name__}: "
+                              f"{' '.join(str(err).split())[:300]}); check --wandb-project, --wandb-entity and "
+                              f"the WANDB_* environment variables") from None
+        if run.id != run_id:
+            write_run_file(id_file, run.id + "\n", flag)
+        return run
 
     def where(self) -> str:
         return f"run folder: {self.run_dir}  (curves: tensorboard --logdir {self.run_dir.parent})"
@@ -406,6 +451,8 @@ class RunLogger:
             self.writer.close()
             self._metrics.close()
             self._samples.close()
+            if self._wandb is not None:  # after TensorBoard's last events, which W&B syncs
+                self._wandb.finish()
             print(self.where(), flush=True)
 
 
@@ -508,6 +555,11 @@ class ProgressBar:
 # Checkpoints: plain HF folders (model + tokenizer) that transformers, vLLM and lm-eval load as they are.
 # ----------------------------------------------------------------------------------------------------
 TRAINER_STATE = "trainer_state.pt"
+FINAL = "final"
+"""the folder of the policy's weights alone that a run writes when it has done all its steps (export_final)"""
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+"""what a failed save raises: a full disk is an OSError, a RuntimeError from torch.save, a SafetensorError from
+the weights' writer"""
 
 
 
@@ -538,12 +590,9 @@ def save_checkpoint(model, tokenizer, run_dir: str, step: int, world: Dist, crit
                 torch.save(state, tmp / TRAINER_STATE)
             remove_path(path)  # a file or link in the way too, which rmtree leaves
             os.replace(tmp, path)
-        except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
+        except WRITE_ERRORS as err:
             shutil.rmtree(tmp, ignore_errors=True)
-            free = shutil.disk_usage(run_dir).free if os.path.isdir(run_dir) else 0
-            reason = "disk full" if free < 2**30 or getattr(err, "errno", None) == 28 else "write failed"
-            error = (f"cannot write {path} ({reason}, {free / 2**20:.0f} MiB free: {str(err).splitlines()[0][:100]}); "
-                     f"the previous checkpoint is intact")
+            error = f"{write_failure(path, run_dir, err)}; the previous checkpoint is intact"
         else:
             if keep:
                 for old in complete_checkpoints(run_dir)[:-keep]:
@@ -558,6 +607,65 @@ def save_checkpoint(model, tokenizer, run_dir: str, step: int, world: Dist, crit
         print(f"warning: {error}; training goes on and the next save tries again", file=sys.stderr)
         return None
     return str(path)
+
+
+def write_failure(path: Path, run_dir: str, err: Exception) -> str:
+    """`cannot write PATH (disk full, N MiB free: the error)`, one line, for a failed save."""
+    free = shutil.disk_usage(run_dir).free if os.path.isdir(run_dir) else 0
+    reason = "disk full" if free < 2**30 or getattr(err, "errno", None) == 28 else "write failed"
+    return (f"cannot write {path} ({reason}, {free / 2**20:.0f} MiB free: "
+            f"{(str(err).splitlines() or [type(err).__name__])[0][:100]})")
+
+
+def export_final(model, tokenizer, run_dir: str, world: Dist, dtype: torch.dtype) -> str:
+    """`<run_dir>/final/`, for transformers, vLLM and lm-eval: the policy's weights alone in `dtype` (safetensors;
+    config.json's dtype says so), its config, generation config and tokenizer; no optimizer state, no critic.
+    Called after the run's last checkpoint, on every process (FSDP2 gathers to rank 0, which writes); written
+    like save_checkpoint (a new temporary folder renamed into place, no link followed). A failed write
+    raises RunStopped and leaves the checkpoints as they are. A resumed run replaces it when it ends."""
+    path = Path(run_dir) / FINAL
+    weights = full_state_dict(model)  # a collective under FSDP2; None otherwise
+    error = ""
+    if world.is_main:
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            remove_path(tmp)  # a stale one, or a link (never what it points to)
+            tmp.mkdir()
+            plain = unwrap(model)
+            plain.save_pretrained(tmp, state_dict=cast_weights(plain.state_dict() if weights is None else weights,
+                                                               dtype))
+            write_portable_config(tmp)
+            config = json.loads((tmp / "config.json").read_text())
+            config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")  # the model's is float32
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            tokenizer.save_pretrained(tmp)
+            remove_path(path)  # the one an earlier end of a resumed run wrote, or a link
+            os.replace(tmp, path)
+        except WRITE_ERRORS as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            last = complete_checkpoints(run_dir)[-1:]
+            error = (f"{write_failure(path, run_dir, err)}; the trained weights are in "
+                     f"{last[0] if last else 'the last checkpoint'}, which is intact")
+    if world.enabled:  # every process learns whether rank 0's write succeeded (and waits for it)
+        holder = [error]
+        dist.broadcast_object_list(holder, src=0)
+        error = holder[0]
+    if error:
+        raise RunStopped(error)
+    return str(path)
+
+
+def cast_weights(weights: dict, dtype: torch.dtype) -> dict:
+    """`weights` on the CPU, floating-point ones in `dtype`; tensors that share storage (tied embeddings)
+    still share it, so save_pretrained writes them once."""
+    cast, out = {}, {}
+    for name, tensor in weights.items():
+        key = (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride())
+        if key not in cast:
+            tensor = tensor.detach()
+            cast[key] = tensor.to("cpu", dtype) if tensor.is_floating_point() else tensor.cpu()
+        out[name] = cast[key]
+    return out
 
 
 def weights_finite(model, world: Dist) -> bool:

@@ -386,6 +386,9 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             bar.write(f"stopped after step {step}; continue with: python {SCRIPT}.py --resume {run_dir}")
             break
 
+    if step == args.num_steps:  # every step done (a stop request at the last one too): the weights alone, in final/
+        bookkeeping.export_final(policy, tokenizer, run_dir, world,
+                                 dtype if args.log.final_dtype == "compute" else torch.float32)
     bar.close()
     logger.close()
     backend.close()

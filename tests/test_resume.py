@@ -95,7 +95,8 @@ def test_resume_refuses_a_conflicting_flag(tmp_path):
 
     ckpt = tmp_path / "run" / "checkpoint-2"
     write_checkpoint(ckpt, 2)
-    (tmp_path / "run" / "args.json").write_text(json.dumps(bookkeeping.flat_args(script_args(grpo, learning_rate=1e-4))))
+    recorded = bookkeeping.flat_args(script_args(grpo, learning_rate=1e-4))
+    (tmp_path / "run" / "args.json").write_text(json.dumps(recorded))
     args, found, _ = bookkeeping.resume_args(script_args(grpo, resume=str(tmp_path / "run"), num_steps=50),
                                         script_args(grpo), str(tmp_path / "run"), "grpo")
     assert found == ckpt and args.learning_rate == 1e-4 and args.num_steps == 50

@@ -102,7 +102,8 @@ def test_resume_never_writes_through_symlinks_to_files_outside_the_run_folder(ru
 
 
 @pytest.mark.parametrize("name", [".lock", "metrics.jsonl", "samples.jsonl", "args.json", "args.json.tmp",
-                                  "metrics.jsonl.tmp", "samples.jsonl.tmp", "checkpoint-2.tmp", "checkpoint-2"])
+                                  "metrics.jsonl.tmp", "samples.jsonl.tmp", "checkpoint-2.tmp", "checkpoint-2", "final",
+                                  "final.tmp"])
 def test_each_symlink_is_refused_and_nothing_outside_changes(name, run, tmp_path):
     outside = tmp_path / "outside"
     plant_links(run, [name], outside)

@@ -4,7 +4,7 @@ how it stops and resumes. Nothing here changes what training computes (that is i
 Sections:
   Flag checks            one-line errors naming the flag, before any model loads
   Run folders, logging   the run folder and its lock, args.json, metrics.jsonl, samples, TensorBoard/W&B, progress bar
-  Checkpoints            plain HF folders plus the trainer state, written atomically
+  Checkpoints            plain HF folders (DCP shards under --fsdp) plus the trainer state, written atomically
   Resume                 the newest intact checkpoint, the run's own flags, the RNGs and optimizer state
   Stopping and timing    Ctrl-C/SIGTERM finishes the step and saves; step timers
 """
@@ -34,8 +34,8 @@ from safetensors import SafetensorError
 import countdown_reward
 from common import (
     all_reduce_sum, check_safetensors, check_same_data, check_shard_index, ConfigError, DATA_FINGERPRINTS,
-    Dist, file_fingerprint, is_sharded, MAX_TASK_VALUE, remove_path, require, RunStopped, unwrap,
-    write_portable_config,
+    Dist, file_fingerprint, is_sharded, MAX_TASK_VALUE, OptimizerState, pretrained_or_sharded, remove_path, require,
+    RunStopped, SHARDED_DIR, sharded_checkpoint, unwrap, write_portable_config,
 )
 
 
@@ -552,7 +552,8 @@ class ProgressBar:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Checkpoints: plain HF folders (model + tokenizer) that transformers, vLLM and lm-eval load as they are.
+# Checkpoints: plain HF folders (model + tokenizer) that transformers, vLLM and lm-eval load as they are;
+# under --fsdp with several processes, sharded (torch.distributed.checkpoint; tools/consolidate.py).
 # ----------------------------------------------------------------------------------------------------
 TRAINER_STATE = "trainer_state.pt"
 FINAL = "final"
@@ -572,8 +573,18 @@ def save_checkpoint(model, tokenizer, run_dir: str, step: int, world: Dist, crit
 
     A write that fails (disk full, permissions) removes its temporary folder and leaves every earlier
     checkpoint as it was; it prints why and returns None, so that training goes on and the next save
-    tries again, unless `final` (the last save of the run), which raises RunStopped."""
+    tries again, unless `final` (the last save of the run), which raises RunStopped.
+
+    Under FSDP2 (--fsdp, several processes) nothing is gathered: see save_sharded."""
     path = Path(run_dir) / f"checkpoint-{step}"
+    if is_sharded(model):
+        error = save_sharded(model, tokenizer, path, run_dir, world, critic, state)
+        if not error and keep and world.is_main:
+            for old in complete_checkpoints(run_dir)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        if world.enabled:
+            dist.barrier()  # the old ones are gone before anyone goes on
+        return checkpoint_outcome(path, error, final)
     weights = {"model": full_state_dict(model), "critic": full_state_dict(critic) if critic is not None else None}
     error = ""
     if world.is_main:
@@ -598,15 +609,93 @@ def save_checkpoint(model, tokenizer, run_dir: str, step: int, world: Dist, crit
                 for old in complete_checkpoints(run_dir)[:-keep]:
                     shutil.rmtree(old, ignore_errors=True)
     if world.enabled:  # every process learns whether rank 0's write succeeded (and waits for it)
-        holder = [error]
-        dist.broadcast_object_list(holder, src=0)
-        error = holder[0]
+        error = from_rank0(error)
+    return checkpoint_outcome(path, error, final)
+
+
+def from_rank0(value):
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def checkpoint_outcome(path: Path, error: str, final: bool) -> str | None:
     if error and final:
         raise RunStopped(error)
     if error:
         print(f"warning: {error}; training goes on and the next save tries again", file=sys.stderr)
         return None
     return str(path)
+
+
+SHARDED_STATE = "sharded"
+"""what trainer_state.pt holds in place of an optimizer state that is in the checkpoint's sharded/ folder"""
+
+
+def save_sharded(model, tokenizer, path: Path, run_dir: str, world: Dist, critic=None,
+                 state: dict | None = None) -> str:
+    """A sharded checkpoint (FSDP2): rank 0 writes the config, generation config and tokenizer (and the critic's
+    config in critic/) and trainer_state.pt without the optimizer states; then every process writes its shards of
+    the weights and of the AdamW states (the OptimizerState entries of `state`) into sharded/ with
+    torch.distributed.checkpoint, and rank 0 renames checkpoint-<step>.tmp into place once all have. Nothing is
+    gathered. Returns the error every process agrees on ("" when written); a failure removes the .tmp folder."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    tmp = path.with_name(path.name + ".tmp")
+    models = {"model": model, "critic": critic}
+    shards, owners, state = {}, {}, dict(state or {})
+    for key, m in models.items():
+        if m is not None:
+            m.reshard()  # a forward without backward (generation, evaluation) leaves the root unsharded
+            shards[key] = get_model_state_dict(m)
+    for name, value in list(state.items()):
+        if isinstance(value, OptimizerState):
+            owners[name] = next(key for key, m in models.items() if m is value.model)
+            shards[name] = get_optimizer_state_dict(value.model, value.optimizer)
+            state[name] = SHARDED_STATE
+    state[SHARDED_STATE] = {"world_size": world.world_size, "owners": owners}
+    error = ""
+    if world.is_main:
+        try:
+            remove_path(tmp)  # a stale one, or a link (never what it points to)
+            tmp.mkdir()
+            (tmp / SHARDED_DIR).mkdir()
+            plain = unwrap(model)
+            plain.config.save_pretrained(tmp)
+            if getattr(plain, "generation_config", None) is not None:
+                plain.generation_config.save_pretrained(tmp)
+            write_portable_config(tmp)
+            tokenizer.save_pretrained(tmp)
+            if critic is not None:
+                (tmp / "critic").mkdir()
+                unwrap(critic).config.save_pretrained(tmp / "critic")
+            torch.save(state, tmp / TRAINER_STATE)
+        except WRITE_ERRORS as err:
+            error = write_failure(path, run_dir, err)
+    error = from_rank0(error)
+    if not error:
+        try:
+            dcp.save(shards, storage_writer=dcp.FileSystemWriter(tmp / SHARDED_DIR))
+        except (CheckpointException, *WRITE_ERRORS) as err:
+            if isinstance(err, CheckpointException) and err.failures:  # {rank: (the exception, its traceback)}
+                err = next(iter(err.failures.values()))[0]
+            error = write_failure(path, run_dir, err)
+        errors = [None] * world.world_size
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e), "")
+    if world.is_main:
+        if not error:
+            try:
+                remove_path(path)  # a file or link in the way too
+                os.replace(tmp, path)
+            except WRITE_ERRORS as err:
+                error = write_failure(path, run_dir, err)
+        if error:
+            shutil.rmtree(tmp, ignore_errors=True)
+    error = from_rank0(error)
+    return f"{error}; the previous checkpoint is intact" if error else ""
 
 
 def write_failure(path: Path, run_dir: str, err: Exception) -> str:
@@ -632,13 +721,7 @@ def export_final(model, tokenizer, run_dir: str, world: Dist, dtype: torch.dtype
             remove_path(tmp)  # a stale one, or a link (never what it points to)
             tmp.mkdir()
             plain = unwrap(model)
-            plain.save_pretrained(tmp, state_dict=cast_weights(plain.state_dict() if weights is None else weights,
-                                                               dtype))
-            write_portable_config(tmp)
-            config = json.loads((tmp / "config.json").read_text())
-            config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")  # the model's is float32
-            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-            tokenizer.save_pretrained(tmp)
+            write_weights_folder(tmp, plain, plain.state_dict() if weights is None else weights, tokenizer, dtype)
             remove_path(path)  # the one an earlier end of a resumed run wrote, or a link
             os.replace(tmp, path)
         except WRITE_ERRORS as err:
@@ -653,6 +736,17 @@ def export_final(model, tokenizer, run_dir: str, world: Dist, dtype: torch.dtype
     if error:
         raise RunStopped(error)
     return str(path)
+
+
+def write_weights_folder(tmp: Path, plain, weights: dict, tokenizer, dtype: torch.dtype) -> None:
+    """`weights` in `dtype` as a model folder (config.json's dtype says so) with config, generation config and
+    tokenizer: final/ and a consolidated sharded checkpoint."""
+    plain.save_pretrained(tmp, state_dict=cast_weights(weights, dtype))
+    write_portable_config(tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")  # the model's is float32
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tokenizer.save_pretrained(tmp)
 
 
 def cast_weights(weights: dict, dtype: torch.dtype) -> dict:
@@ -740,14 +834,177 @@ def intact_checkpoint(checkpoint: Path, load_state: bool = True) -> dict | None:
     names, trainer state); raises OSError/RuntimeError/ValueError for a truncated or missing one. trainer_state.pt
     is checked as an archive first, so that damage is skipped (a crafted pickle is refused by load_trainer_state);
     `load_state=False` (evaluate.py, which needs no optimizer state) stops there and returns None."""
-    if not list(checkpoint.glob("*.safetensors")):
-        raise FileNotFoundError(f"no model weights in {checkpoint}")
-    for folder in (checkpoint, checkpoint / "critic"):
-        check_shard_index(folder)
-    for file in list(checkpoint.glob("*.safetensors")) + list(checkpoint.glob("critic/*.safetensors")):
-        check_safetensors(file)
+    sharded = sharded_checkpoint(checkpoint)
+    if sharded is not None:  # --fsdp: weights and optimizer states in sharded/ (torch.distributed.checkpoint)
+        check_dcp_folder(sharded)
+        if (checkpoint / "critic").exists() and not (checkpoint / "critic" / "config.json").is_file():
+            raise FileNotFoundError(f"no critic/config.json in {checkpoint}")
+    else:
+        if not list(checkpoint.glob("*.safetensors")):
+            raise FileNotFoundError(f"no model weights in {checkpoint}")
+        for folder in (checkpoint, checkpoint / "critic"):
+            check_shard_index(folder)
+        for file in list(checkpoint.glob("*.safetensors")) + list(checkpoint.glob("critic/*.safetensors")):
+            check_safetensors(file)
     check_torch_archive(checkpoint / TRAINER_STATE)
-    return load_trainer_state(checkpoint) if load_state else None
+    if not load_state:
+        return None
+    state = load_trainer_state(checkpoint)
+    if isinstance(state, dict) and isinstance(state.get(SHARDED_STATE), dict):
+        state[SHARDED_STATE]["path"] = str(sharded or checkpoint / SHARDED_DIR)  # where restore_trainer_state reads
+    return state
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """DCP's .metadata is a pickle, and torch (2.13: FileSystemReader.read_metadata) reads it with plain
+    pickle.load, which runs whatever a crafted file names. This reads it with only the classes DCP's metadata is
+    made of (its dataclasses, torch.Size, dtypes and layouts, a path); anything else is refused, never executed."""
+
+    MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+
+    def find_class(self, module, name):
+        import torch.distributed.checkpoint.filesystem  # noqa: F401  (the classes below are looked up in it)
+
+        if module in self.MODULES and name in ALLOWED_METADATA_NAMES:
+            return getattr(sys.modules[module], name)
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), (torch.dtype,
+                                                                                             torch.layout))):
+            return getattr(torch, name)
+        if module == "torch.serialization" and name == "_get_layout":  # a lookup of torch's layouts by name
+            return torch.serialization._get_layout
+        if (module, name) in (("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")):
+            return getattr(importlib.import_module(module), name)  # the checkpoint's path is one
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+ALLOWED_METADATA_NAMES = ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                          "TensorProperties", "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING", "_StorageInfo",
+                          "_StoragePrefix")
+
+
+def read_dcp_metadata(path: Path):
+    """A DCP folder's .metadata, read with MetadataUnpickler (a crafted one is a ConfigError, not run)."""
+    if not path.is_file():  # a FIFO would block the read
+        raise FileNotFoundError(f"{path} is missing or not a file")
+    with open(path, "rb") as f:
+        try:
+            return MetadataUnpickler(f).load()
+        except pickle.UnpicklingError as err:
+            raise ConfigError(f"{path} holds objects other than a checkpoint's metadata; refused to load it "
+                              f"({str(err).splitlines()[0][:120]})") from None
+
+
+def check_dcp_folder(folder: Path) -> None:
+    """Raises unless a DCP folder's .metadata reads back (safely) and every file it names is a plain file name
+    in the folder, present and long enough for every record it is said to hold."""
+    metadata = read_dcp_metadata(folder / ".metadata")
+    ends: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or name in ("", ".", "..") or name != os.path.basename(name) or "\\" in name:
+            raise ValueError(f"{folder}/.metadata names {name!r}, not a file in the folder")
+        ends[name] = max(ends.get(name, 0), int(info.offset) + int(info.length))
+    if not ends:
+        raise ValueError(f"{folder}/.metadata names no files")
+    for name, end in ends.items():
+        file = folder / name
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} is missing")
+        if file.stat().st_size < end:
+            raise ValueError(f"{file} is cut short")
+
+
+def dcp_reader_and_planner(folder):
+    """torch.distributed.checkpoint's file reader and load planner with every unpickling made safe: .metadata
+    through MetadataUnpickler, non-tensor values (AdamW's hyperparameters) with torch.load(weights_only=True)
+    (DefaultLoadPlanner.load_bytes uses weights_only=False); tensors are read with weights_only=True by torch."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            metadata = read_dcp_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return Reader(str(folder)), Planner()
+
+
+def load_sharded(sharded: dict, stateful: dict) -> None:
+    """The weights and AdamW states of a sharded checkpoint, loaded into the sharded models and their optimizers
+    (`stateful`'s OptimizerState entries named in trainer_state.pt), each process its own shards. DCP loads in
+    place, so AdamW's state is made first (get_optimizer_state_dict takes a step with lr 0, as torch's DCP
+    tutorial does through get_state_dict), then filled."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+    )
+
+    shards = {}
+    for name, owner in sharded["owners"].items():
+        obj = stateful[name]
+        shards[owner] = get_model_state_dict(obj.model)
+        shards[name] = get_optimizer_state_dict(obj.model, obj.optimizer)
+    reader, planner = dcp_reader_and_planner(sharded["path"])
+    try:
+        dcp.load(shards, storage_reader=reader, planner=planner)
+    except CheckpointException as err:  # a BaseException: as a RuntimeError, restore_trainer_state's one line
+        first = next(iter(err.failures.values()))[0] if err.failures else err
+        reason = str(first).splitlines()[0][:200] if str(first) else ""
+        raise RuntimeError(f"{type(first).__name__}: {reason}") from None
+    for name, owner in sharded["owners"].items():
+        obj = stateful[name]
+        set_model_state_dict(obj.model, shards[owner])
+        set_optimizer_state_dict(obj.model, obj.optimizer, shards[name])
+
+
+def consolidate_checkpoint(checkpoint: str, out: str, dtype: torch.dtype = torch.float32) -> str:
+    """A sharded checkpoint's policy as a plain HF folder `out` (weights alone in `dtype`, config, generation
+    config, tokenizer), as export_final writes final/; one process, no torchrun (DCP reads without a process
+    group). It holds the whole model in float32 on the CPU while it writes."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, target = Path(checkpoint), Path(out)
+    folder = sharded_checkpoint(path)
+    if folder is None:
+        raise ConfigError(f"checkpoint={checkpoint!r} is not allowed: not a sharded checkpoint (a checkpoint-<step> "
+                          f"folder of an --fsdp run with a {SHARDED_DIR}/ folder); a plain one loads as it is")
+    if os.path.lexists(target):
+        raise ConfigError(f"--out={out!r} is not allowed: it exists; name a new folder")
+    try:
+        intact_checkpoint(path, load_state=False)
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise ConfigError(f"checkpoint={checkpoint!r} is not allowed: it is damaged ({str(err)[:100]})") from None
+    model = pretrained_or_sharded(AutoModelForCausalLM, str(path))
+    weights = {"model": model.state_dict()}
+    reader, planner = dcp_reader_and_planner(folder)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(weights, storage_reader=reader, planner=planner, no_dist=True)  # in place, into the model
+    tmp = target.with_name(target.name + ".tmp")
+    remove_path(tmp)
+    tmp.mkdir(parents=True)
+    write_weights_folder(tmp, model, weights["model"], AutoTokenizer.from_pretrained(str(path)), dtype)
+    os.replace(tmp, target)
+    return str(target)
 
 
 def newest_intact_checkpoint(checkpoints: list[Path], load_state: bool = True) -> tuple[Path, dict | None] | None:
@@ -875,6 +1132,13 @@ def resume_args(cli_args, defaults, resume: str, script: str, typed: set[str] | 
         elif value != saved_values[name]:
             raise ConfigError(f"--{name.replace('_', '-')}={value!r} is not allowed with --resume: the run "
                               f"was started with {saved_values[name]!r} (only --num-steps may change)")
+    sharded = state.get(SHARDED_STATE) if isinstance(state, dict) else None
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if sharded and (not args.system.fsdp or world_size != sharded.get("world_size")):
+        n = sharded.get("world_size")
+        raise ConfigError(f"--resume={resume!r} is not allowed: {checkpoint.name} is sharded over {n} processes "
+                          f"(--fsdp); resume it under torchrun with {n} processes in all and --fsdp, or start a new "
+                          f"run with --model set to `python tools/consolidate.py {checkpoint} --out DIR`'s DIR")
     args.log.resume = resume
     step = checkpoint_step(checkpoint)
     if step >= args.num_steps:
@@ -909,8 +1173,12 @@ def restore_trainer_state(state: dict, resume: str, update_rng: torch.Generator,
     """The inverse of trainer_state; returns (first step to run, skipped steps so far). A state that does
     not fit this run (parts missing or foreign) is a one-line error naming --resume."""
     try:
+        sharded = state.get(SHARDED_STATE)
+        if sharded:  # --fsdp: the weights and optimizer states are in the checkpoint's sharded/ folder
+            load_sharded(sharded, stateful)
         for name, obj in stateful.items():
-            obj.load_state_dict(state[name])
+            if not sharded or name not in sharded["owners"]:
+                obj.load_state_dict(state[name])
         update_rng.set_state(state["update_rng"])
         set_rng_state(state["rng"])
         return state["step"] + 1, state["skipped_steps"]

@@ -476,6 +476,9 @@ def check_model_folder(path: str, flag: str = "--model") -> None:
     except (OSError, ValueError, RecursionError, AssertionError):
         raise ConfigError(f"{where}: {path}/config.json is not JSON, or names no model_type") from None
     files = os.listdir(path)
+    if sharded_checkpoint(path) is not None:
+        raise ConfigError(f"{where}: it is a sharded checkpoint (--fsdp), which transformers and vLLM cannot load; "
+                          f"make a model folder of it first: python tools/consolidate.py {path} --out DIR")
     if not set(WEIGHT_FILES + WEIGHT_INDEXES) & set(files):
         raise ConfigError(f"{where}: the folder has no weights ({', '.join(WEIGHT_FILES + WEIGHT_INDEXES)})")
     for file in sorted(f for f in files if f.endswith(".safetensors") or f in WEIGHT_FILES):
@@ -538,7 +541,7 @@ def load_model(path: str, device: torch.device, gradient_checkpointing: bool = F
     in `dtype` (autocast_forward); eval mode and no dropout (log-probs must match generation)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    model = pretrained_or_sharded(AutoModelForCausalLM, path).to(device)
     disable_dropout(model)
     model.eval()
     if trainable and gradient_checkpointing:
@@ -547,6 +550,38 @@ def load_model(path: str, device: torch.device, gradient_checkpointing: bool = F
     if not trainable:
         model.requires_grad_(False)
     return autocast_forward(model, dtype)
+
+
+SHARDED_DIR = "sharded"
+"""a sharded checkpoint's (--fsdp, several processes) torch.distributed.checkpoint folder: the policy's (and
+the critic's) weights and AdamW states, each process's shards in its own files, and DCP's `.metadata`"""
+
+
+def sharded_checkpoint(path) -> Path | None:
+    """The DCP folder holding the weights of `path` when `path` is a sharded checkpoint (or its `critic/`
+    folder), i.e. a folder with a config but no weights of its own; else None."""
+    path = Path(path)
+    if not path.is_dir() or set(WEIGHT_FILES + WEIGHT_INDEXES) & set(os.listdir(path)):
+        return None
+    for folder in (path / SHARDED_DIR, path.parent / SHARDED_DIR if path.name == "critic" else None):
+        if folder is not None and (folder / ".metadata").is_file():
+            return folder
+    return None
+
+
+def pretrained_or_sharded(auto_class, path: str, **kwargs):
+    """`auto_class.from_pretrained(path)` in float32; for a sharded checkpoint the architecture alone, from its
+    config (randomly initialised): its weights are loaded into the sharded model from the checkpoint's DCP
+    folder, with the optimizer states, by bookkeeping.restore_trainer_state."""
+    if sharded_checkpoint(path) is None:
+        return auto_class.from_pretrained(path, dtype=torch.float32, **kwargs)
+    from transformers import AutoConfig, GenerationConfig
+
+    config = kwargs.pop("config", None) or AutoConfig.from_pretrained(path)
+    model = auto_class.from_config(config, dtype=torch.float32, **kwargs)
+    if os.path.isfile(os.path.join(path, "generation_config.json")):
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model
 
 
 def autocast_forward(model, dtype: torch.dtype):
@@ -640,20 +675,17 @@ def full_tensor(x: torch.Tensor) -> torch.Tensor:
 
 
 class OptimizerState:
-    """state_dict()/load_state_dict() of an optimizer, gathered whole when its model is FSDP2-sharded (a
-    collective: every process calls it; rank 0 holds the result), so a checkpoint is one file."""
+    """state_dict()/load_state_dict() of an optimizer for the trainer state. When its model is FSDP2-sharded
+    the state stays sharded: state_dict() returns this object itself, and bookkeeping.save_checkpoint writes
+    its model's and optimizer's shards with torch.distributed.checkpoint (every process its own) instead of
+    into trainer_state.pt; bookkeeping.restore_trainer_state loads them back. load_state_dict also takes a
+    whole state (an older checkpoint's, gathered to rank 0), which it scatters to the shards."""
 
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
 
-    def state_dict(self) -> dict:
-        if not is_sharded(self.model):
-            return self.optimizer.state_dict()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        self.model.reshard()  # a forward without backward (generation, evaluation) leaves the root unsharded
-        return get_optimizer_state_dict(self.model, self.optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    def state_dict(self):
+        return self if is_sharded(self.model) else self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         if not is_sharded(self.model):
@@ -1136,6 +1168,11 @@ class VLLMBackend:
             kwargs["distributed_executor_backend"] = "external_launcher"
         # The trainer's compute dtype (--compute-dtype): the engine samples in the precision of the log-prob pass
         dtype = "bfloat16" if compute_dtype(system.compute_dtype, world.device) == torch.bfloat16 else "float32"
+        # a sharded checkpoint (--resume under --fsdp) has no weights vLLM reads: the engine starts with dummy
+        # ones, and the policy's (restored by then) are pushed in before its first generation
+        self.stale = sharded_checkpoint(model_path) is not None
+        if self.stale:
+            kwargs["load_format"] = "dummy"
         self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed + world.rank,
                        enforce_eager=True, max_model_len=self.max_model_len, enable_prefix_caching=True,
                        logprobs_mode="processed_logprobs",  # log-probs at the sampling temperature
@@ -1158,6 +1195,8 @@ class VLLMBackend:
 
         tok = self.tokenizer
         self.wake_up()
+        if self.stale:  # a collective under FSDP2: every process generates at the same points
+            self.sync_weights(self.model)
         prompt_ids, prompt_mask = encode_prompts(tok, prompts, num_samples, unwrap(self.model).device)
         engine_prompts = [TokensPrompt(prompt_token_ids=ids[m.bool()].tolist())  # one per group, unpadded
                           for ids, m in zip(prompt_ids[::num_samples], prompt_mask[::num_samples])]
@@ -1191,6 +1230,7 @@ class VLLMBackend:
         parameter at a time (gathered from its FSDP2 shards when sharded, a collective every process
         makes in the same order); then drop cached prompt blocks computed with the old weights."""
         self.wake_up()
+        self.stale = False
         weights = ((name, full_tensor(param).detach()) for name, param in unwrap(model).named_parameters())
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if self.tied and self.cpu:  # the CPU backend keeps a packed copy of a tied output layer: repack it

@@ -114,7 +114,7 @@ def load_value_model(path: str, device: torch.device, gradient_checkpointing: bo
     common.quiet_transformers()  # the new head is "newly initialized", as intended
     config = AutoConfig.from_pretrained(path, num_labels=1)
     config.classifier_dropout = 0.0  # dropout would make V differ between the rollout and the update
-    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32).to(device)
+    model = common.pretrained_or_sharded(AutoModelForTokenClassification, path, config=config).to(device)
     common.disable_dropout(model)
     model.eval()
     if gradient_checkpointing:

@@ -85,6 +85,16 @@ def test_an_engine_per_torchrun_process_follows_the_sharded_weights(small_model_
     assert all(r["time/weight_sync"] > 0 for r in rows)
     assert all(r["charts/vllm_logprob_diff"] < GAP for r in rows), [r["charts/vllm_logprob_diff"] for r in rows]
 
+    # Resumed from its sharded checkpoint (no weights vLLM can read): the engines start with dummy weights and
+    # the restored policy's replace them before the first generation, or the log-probs would part at once
+    run_dir, _ = metrics(runs)
+    result = run([os.path.join("tests", "toy_run.py"), "dapo", "--resume", run_dir, "--num-steps", "4"],
+                 torchrun=True, threads="1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    _, rows = metrics(runs)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert rows[-1]["charts/vllm_logprob_diff"] < GAP, rows[-1]
+
 
 def test_evaluate_scores_the_same_greedy_completions_with_vllm(bundled_dir):
     """evaluate.py --backend vllm: the engine's greedy completions are the trainer's (fp32 on both sides

@@ -925,7 +925,8 @@ def dcp_reader_and_planner(folder):
 
     class Reader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
-            metadata = read_dcp_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))
+            rank = kwargs.get("rank")  # the file names of torch's FileSystemWriter
+            metadata = read_dcp_metadata(Path(folder) / (".metadata" if rank is None else f"__{rank}.metadata"))
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -1000,10 +1001,16 @@ def consolidate_checkpoint(checkpoint: str, out: str, dtype: torch.dtype = torch
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(weights, storage_reader=reader, planner=planner, no_dist=True)  # in place, into the model
     tmp = target.with_name(target.name + ".tmp")
-    remove_path(tmp)
-    tmp.mkdir(parents=True)
-    write_weights_folder(tmp, model, weights["model"], AutoTokenizer.from_pretrained(str(path)), dtype)
-    os.replace(tmp, target)
+    if os.path.lexists(tmp):  # not ours to remove
+        raise ConfigError(f"--out={out!r} is not allowed: {tmp} exists; remove it or name another folder")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir()
+    try:
+        write_weights_folder(tmp, model, weights["model"], AutoTokenizer.from_pretrained(str(path)), dtype)
+        os.replace(tmp, target)
+    except BaseException:  # a full disk or Ctrl-C leaves no half-written folder
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return str(target)
 
 

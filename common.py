@@ -1357,14 +1357,15 @@ def all_gather_rows(world: Dist, rollout: "Rollout", *row_tensors):
         return (rollout, *row_tensors)
 
     def gather(tensor: torch.Tensor, left: bool = False) -> torch.Tensor:
+        home, tensor = tensor.device, tensor.to(world.device)  # NCCL sends from the GPU (a rollout may be on the CPU)
         if tensor.dim() > 1:  # ranks' prompts and completions differ in width: pad to the widest (masked out)
-            width = torch.tensor([tensor.shape[-1]], device=tensor.device)
+            width = torch.tensor([tensor.shape[-1]], device=world.device)
             dist.all_reduce(width, op=dist.ReduceOp.MAX)
             missing = int(width) - tensor.shape[-1]
             tensor = F.pad(tensor, (missing, 0) if left else (0, missing))
         parts = [torch.empty_like(tensor) for _ in range(world.world_size)]
         dist.all_gather(parts, tensor.contiguous())
-        return torch.cat(parts)
+        return torch.cat(parts).to(home)
 
     texts, reasons = [None] * world.world_size, [None] * world.world_size
     dist.all_gather_object(texts, rollout.texts)

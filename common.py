@@ -635,7 +635,8 @@ def parallelize(model, world: Dist, fsdp: bool = False, cpu_offload: bool = Fals
         return DDP(model) if trainable else model
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    # the same recipe as autocast_forward: parameters gathered in the compute dtype, float32 reductions
+    # parameters gathered in the compute dtype (norms and embeddings too, unlike DDP's autocast_forward, as in
+    # verl's FSDP2 workers), float32 gradient reductions
     kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()

@@ -22,8 +22,7 @@ import dapo
 import grpo
 import ppo
 from conftest import (
-    checkpoint_weights, even_token_reward, make_tiny_model_dir, run_script, script_args, subprocess_env, tiny_args,
-    tiny_flags,
+    checkpoint_weights, even_token_reward, make_tiny_model_dir, script_args, subprocess_env, tiny_args,
 )
 
 FINAL = bookkeeping.FINAL
@@ -118,23 +117,6 @@ def test_dapo_and_ppo_export_the_policy_alone(module, tiny_model_dir, tmp_path):
     assert (run_dir / "checkpoint-1" / "critic").is_dir() == (module is ppo)
     assert not {"critic", bookkeeping.TRAINER_STATE} & set(os.listdir(run_dir / FINAL))
     assert_is_the_last_checkpoint(run_dir, torch.float32, step=1)  # the CPU's compute dtype
-
-
-def test_fsdp_under_torchrun_writes_final_once(small_model_dir, tmp_path):
-    result = run_script([os.path.join("tests", "toy_run.py"), "grpo", *tiny_flags(
-        model=small_model_dir, fsdp=True, runs_dir=tmp_path, final_dtype="float32")], torchrun=True, threads="1")
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
-    assert sorted(p.name for p in run_dir.iterdir() if p.is_dir()) == ["checkpoint-1", FINAL]
-    # the checkpoint is sharded (tests/test_sharded_checkpoints.py): its consolidation holds the float32 weights
-    done = run_script([os.path.join("tools", "consolidate.py"), str(run_dir / "checkpoint-1"), "--out",
-                       str(tmp_path / "consolidated")], threads="1")
-    assert done.returncode == 0, done.stderr[-3000:]
-    final, last = checkpoint_weights(run_dir / FINAL), checkpoint_weights(tmp_path / "consolidated")
-    assert set(last) <= set(final) and all(torch.equal(final[k], v) for k, v in last.items())  # gathered to rank 0
-    assert json.loads((run_dir / FINAL / "config.json").read_text())["dtype"] == "float32"
-    model = AutoModelForCausalLM.from_pretrained(run_dir / FINAL)
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in final.items())
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")

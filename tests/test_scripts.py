@@ -1,5 +1,6 @@
 """The scripts as a user runs them: flags, clear errors, a real run with the bundled model, torchrun."""
 
+import glob
 import json
 import os
 
@@ -102,7 +103,8 @@ def test_grpo_runs_with_the_bundled_model(tmp_path):
     assert saved.get("rope_theta", 10000.0) == model.config.rope_parameters["rope_theta"] == 100000.0
 
 
-@pytest.mark.parametrize("script,parallel", [("grpo.py", "--no-fsdp")] + [(s, "--fsdp") for s in SCRIPTS])
+# grpo.py and ppo.py under --fsdp: tests/test_sharded_checkpoints.py (a run, its resume, its consolidation)
+@pytest.mark.parametrize("script,parallel", [("grpo.py", "--no-fsdp"), ("dapo.py", "--fsdp")])
 def test_torchrun_two_cpu_processes(script, parallel, tiny_model_dir, tmp_path):
     # DDP under torchrun for dapo.py and ppo.py is covered by their split tests (tests/update_worker.py)
     result = run([script, *tiny_flags(model=tiny_model_dir, num_steps=2, max_new_tokens=8, eval_size=3, beta=0.01,
@@ -111,19 +113,21 @@ def test_torchrun_two_cpu_processes(script, parallel, tiny_model_dir, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir, rows = metrics(tmp_path)  # rank 0 alone writes
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["charts/response_length"] > 0
-    # the checkpoint is a whole HF model even when the weights were sharded
-    from transformers import AutoModelForCausalLM
+    ckpt = os.path.join(run_dir, "checkpoint-2")
+    if parallel == "--no-fsdp":  # DDP: the checkpoint is a whole HF model
+        from transformers import AutoModelForCausalLM
 
-    ckpt = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "checkpoint-2"))
-    assert sum(p.numel() for p in ckpt.parameters()) == sum(
-        p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
-    if parallel == "--fsdp":  # and a sharded run resumes from it
+        assert sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(ckpt).parameters()) == sum(
+            p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
+    else:  # FSDP2: each process's shards (torch.distributed.checkpoint), and the run resumes from them
+        assert os.path.isfile(os.path.join(ckpt, "sharded", ".metadata"))
+        assert not glob.glob(os.path.join(ckpt, "*.safetensors"))
         more = run([script, "--resume", run_dir, "--num-steps", "3"], torchrun=True, threads="1")
         assert more.returncode == 0, more.stderr[-3000:]
         assert [r["step"] for r in metrics(tmp_path)[1]] == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("dynamic_sampling", ["--dynamic-sampling", "--no-dynamic-sampling"])
+@pytest.mark.parametrize("dynamic_sampling", ["--dynamic-sampling"])  # without it: the tiny-model tests, the study
 def test_dapo_runs_with_the_bundled_model(dynamic_sampling, tmp_path):
     result = run(["dapo.py", *tiny_flags(model="bundled", num_steps=2, max_new_tokens=12, learning_rate=1e-5,
                                          num_minibatches=2, runs_dir=tmp_path, max_generation_batches=2,

@@ -322,9 +322,7 @@ class RunDir:
             self._take_lock(path, f"--runs-dir={self.runs_dir!r}")
             self.path = path
         if self.world.enabled:
-            holder = [self.path]
-            dist.broadcast_object_list(holder, src=0)
-            self.path = holder[0]
+            self.path = from_rank0(self.path)
         return self.path
 
 
@@ -614,6 +612,7 @@ def save_checkpoint(model, tokenizer, run_dir: str, step: int, world: Dist, crit
 
 
 def from_rank0(value):
+    """Rank 0's `value` on every process (a collective)."""
     holder = [value]
     dist.broadcast_object_list(holder, src=0)
     return holder[0]
@@ -730,9 +729,7 @@ def export_final(model, tokenizer, run_dir: str, world: Dist, dtype: torch.dtype
             error = (f"{write_failure(path, run_dir, err)}; the trained weights are in "
                      f"{last[0] if last else 'the last checkpoint'}, which is intact")
     if world.enabled:  # every process learns whether rank 0's write succeeded (and waits for it)
-        holder = [error]
-        dist.broadcast_object_list(holder, src=0)
-        error = holder[0]
+        error = from_rank0(error)
     if error:
         raise RunStopped(error)
     return str(path)

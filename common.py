@@ -1353,7 +1353,7 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
 def all_gather_rows(world: Dist, rollout: "Rollout", *row_tensors):
     """Every process's rows of the step, in rank order, on every process: the rollout and per-row tensors
     ((B,) or (B, T), None passes through). The update draws its minibatches from one permutation of this
-    global batch, so they do not depend on the number of processes. The ids are a few MB at the paper's scale."""
+    global batch, so they do not depend on the number of processes (about 50 MB at the paper's scale)."""
     if not world.enabled:
         return (rollout, *row_tensors)
 

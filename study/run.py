@@ -28,6 +28,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import fmean
 from typing import Literal
 
 import tyro
@@ -114,7 +115,8 @@ class Args:
     seeds: tuple[int, ...] = (1,)
     """run every variant with each of these seeds (e.g. `--seeds 1 2 3`); figures show their mean and range"""
     summary: bool = False
-    """print a markdown table of the experiment's runs (as in study/README.md) instead of running anything"""
+    """print markdown tables of the experiment's runs (as in study/README.md) and whether the paper's findings
+    held, instead of running anything"""
     only: tuple[str, ...] = ()
     """run only these variants of the experiment (e.g. `--only grpo dapo`); default: all"""
     extra: str = ""
@@ -231,6 +233,14 @@ def wall_minutes(rows: list[dict]) -> float:
     return sum(row.get("time/step", 0.0) + row.get("time/eval", 0.0) for row in rows) / 60
 
 
+def variant_runs(out_dir: Path) -> dict[str, list[tuple[Path, list[dict]]]]:
+    """Each variant's run folders under out_dir (`<variant>__<seed>__<time>`) with their metrics rows."""
+    variants: dict[str, list[tuple[Path, list[dict]]]] = {}
+    for folder in sorted(p for p in out_dir.glob("*__*") if (p / "metrics.jsonl").is_file()):
+        variants.setdefault(folder.name.split("__")[0], []).append((folder, read_rows(folder)))
+    return variants
+
+
 def summary_table(out_dir: Path) -> str:
     """One markdown row per variant under out_dir, over its seeds (mean, and min-max when there are several):
     held-out greedy accuracy at step 0 and at the end beside the best constant answer and a uniform guess on
@@ -240,10 +250,11 @@ def summary_table(out_dir: Path) -> str:
              "gain over constant | entropy | length | s/step | wall (per seed) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     variants: dict[str, list[list[dict]]] = {}
-    for folder in sorted(p for p in out_dir.glob("*__*") if (p / "metrics.jsonl").is_file()):
-        rows = read_rows(folder)
-        if any("charts/eval_accuracy" in r for r in rows) and any(r["step"] >= 1 for r in rows):
-            variants.setdefault(folder.name.split("__")[0], []).append(rows)
+    for name, runs in variant_runs(out_dir).items():
+        evaluated = [rows for _, rows in runs
+                     if any("charts/eval_accuracy" in r for r in rows) and any(r["step"] >= 1 for r in rows)]
+        if evaluated:
+            variants[name] = evaluated
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     for name, runs in variants.items():
         evals = [[r for r in rows if "charts/eval_accuracy" in r] for rows in runs]
@@ -274,6 +285,96 @@ def operator_table(out_dir: Path) -> str:
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
+@dataclass(frozen=True)
+class Finding:
+    """A direction the paper reports: variant `higher` ends above variant `lower` on `metric`."""
+    claim: str
+    higher: str
+    lower: str
+    metric: str = "charts/eval_accuracy"
+
+
+# experiment -> the paper's findings this study can check, each on the metric's last logged value in a finished run
+# (held-out greedy accuracy at the last evaluation unless the paper's finding is about another logged quantity)
+FINDINGS = {
+    # Table 3 ranks accuracy on four benchmarks after Countdown training; here it is Countdown held-out accuracy.
+    # PPO is the lowest on three of the four (GRPO on MATH): the best against the worst
+    "algorithms": (Finding("Table 3: DAPO without dynamic sampling is the most effective algorithm", "dapo", "ppo"),),
+    "entropy": (
+        Finding("Fig. 3(c): adding an entropy bonus leads to lower accuracy", "ent-0", "ent-0.001"),
+        Finding("Fig. 3(a): the entropy bonus increases the fraction of clipped tokens", "ent-0.001", "ent-0",
+                "losses/clipfrac")),
+    "learning-rate": (
+        Finding("Fig. 4: a larger learning rate achieves higher accuracy (with larger fluctuations)", "lr-10x",
+                "lr-base"),
+        Finding("Fig. 4(a): a higher learning rate causes the policy entropy to decay more rapidly", "lr-base",
+                "lr-10x", "losses/entropy")),
+    "group-size": (  # G = 4 outperforms G = 2 and G = 8 adds little: the conclusion compares G = 8 with G = 2
+        Finding("Fig. 5: a larger group size G leads to better model accuracy", "G8", "G2"),
+        Finding("Fig. 5(b): a smaller G leads to higher KL divergence to the reference policy", "G2", "G8",
+                "losses/kl_ref")),
+    "kl": (  # beta = 0.0075 and 0.01 are both "the best", 0.04 the worst; 0.01 is GRPO's default here and in the paper
+        Finding("Fig. 6(a): a moderate beta yields the best accuracy; beta = 0.04 significantly degrades it",
+                "beta-0.01", "beta-0.04"),
+        Finding("Fig. 6(b): as beta increases, the KL divergence to the reference policy decreases", "beta-0.0",
+                "beta-0.04", "losses/kl_ref")),  # the sweep's ends
+    "loss-aggregation": (
+        Finding("Section 3.4: the token-level loss consistently yields longer responses", "token-level",
+                "sample-level", "charts/response_length"),),
+    "dynamic-sampling": (
+        Finding("Fig. 7(a): once accuracy peaks, dynamic sampling hinders further improvement", "no-ds", "ds"),
+        Finding("Fig. 7(b): dynamic sampling achieves a higher surrogate objective", "ds", "no-ds",
+                "losses/surrogate")),
+    "dapo-group-size": (  # G8 and G2-beta0 differ in G alone: DAPO's beta is 0
+        Finding("Fig. 8(a): a larger group size leads to higher model accuracy", "G8", "G2-beta0"),
+        Finding("Fig. 8(b): at G = 2 without KL, responses are noticeably shorter than with a KL penalty",
+                "G2-beta0.01", "G2-beta0", "charts/response_length")),
+}
+
+
+def finished_values(runs: list[tuple[Path, list[dict]]], metric: str) -> list[float]:
+    """The metric's last logged value in each finished run (its steps reached args.json's num_steps), one per seed."""
+    by_seed = {}
+    for folder, rows in runs:
+        num_steps = bookkeeping.read_json_object(folder / "args.json").get("num_steps")
+        values = [r[metric] for r in rows if metric in r]
+        if num_steps and values and max(r["step"] for r in rows) >= num_steps:
+            by_seed[folder.name.split("__")[1]] = values[-1]
+    return list(by_seed.values())
+
+
+def verdict(higher: list[float], lower: list[float]) -> str:
+    """Does every seed of the side the paper finds higher beat every seed of the other?"""
+    if min(len(higher), len(lower)) < 2:
+        return "needs >= 2 seeds per side"
+    if min(higher) > max(lower):
+        return "held"
+    if min(lower) > max(higher):
+        return "opposite"
+    return "not separable at this scale"
+
+
+def seeds_cell(variant: str, values: list[float]) -> str:
+    """A side of a finding: its mean, min-max and number of finished seeds."""
+    if not values:
+        return f"`{variant}` no finished run"
+    return f"`{variant}` {fmean(values):.4g} ({min(values):.4g}-{max(values):.4g}, n={len(values)})"
+
+
+def verdict_table(out_dir: Path, experiment: str) -> str:
+    """One markdown row per paper finding of the experiment: each side over its finished seeds, and the verdict."""
+    runs = variant_runs(out_dir)
+    lines = ["| paper's finding | metric | higher in the paper | lower in the paper | difference of means | verdict |",
+             "|---|---|---|---|---|---|"]
+    for finding in FINDINGS.get(experiment, ()):
+        higher = finished_values(runs.get(finding.higher, []), finding.metric)
+        lower = finished_values(runs.get(finding.lower, []), finding.metric)
+        difference = f"{fmean(higher) - fmean(lower):+.4g}" if higher and lower else "-"
+        lines.append(f"| {finding.claim} | `{finding.metric}` | {seeds_cell(finding.higher, higher)} | "
+                     f"{seeds_cell(finding.lower, lower)} | {difference} | {verdict(higher, lower)} |")
+    return "\n".join(lines)
+
+
 def shown(cmd: list[str]) -> str:
     """The command as a person would type it: `python grpo.py ...` from the repository root."""
     script = Path(cmd[1])
@@ -296,6 +397,8 @@ def main(args: Args) -> int:
         for experiment in experiments:
             out_dir = Path(args.root) / args.scale / experiment
             print(f"# {experiment}\n\n{summary_table(out_dir)}\n\n{operator_table(out_dir)}\n")
+            if experiment in FINDINGS:
+                print(f"## The paper's findings\n\n{verdict_table(out_dir, experiment)}\n")
         return 0
     for experiment in experiments:
         out_dir = Path(args.root) / args.scale / experiment

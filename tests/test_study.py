@@ -121,3 +121,79 @@ def test_the_operator_table_reads_each_runs_final_evaluation(tmp_path):
     lines = study.operator_table(tmp_path).splitlines()
     assert lines[2:] == ["| grpo__1__1700000000 | `+` | 2 | 1.000 | `+` 2 |",
                          "| grpo__1__1700000000 | `-` | 2 | 0.500 | `+` 1, `-` 1 |"]
+
+
+def fake_run(out_dir, variant, seed, value, metric="charts/eval_accuracy", num_steps=10, last_step=10):
+    """A run folder as the scripts leave it, without a model: args.json and two metrics rows, the metric at
+    step 0 (0.0, which the verdict must not read) and at `last_step`."""
+    import json
+
+    folder = out_dir / f"{variant}__{seed}__1700000000"
+    folder.mkdir(parents=True)
+    (folder / "args.json").write_text(json.dumps({"num_steps": num_steps}))
+    rows = [{"step": 0, metric: 0.0},
+            {"step": last_step, "charts/response_length": 30.0, "time/step": 1.0, metric: value}]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def verdict_row(out_dir, experiment, finding):
+    (row,) = [line for line in study.verdict_table(out_dir, experiment).splitlines() if finding.claim in line]
+    return row
+
+
+@pytest.mark.parametrize("higher, lower, verdict", [
+    ((0.8, 0.7), (0.6, 0.5), "held"),
+    ((0.4, 0.5), (0.6, 0.7), "opposite"),
+    ((0.8, 0.55), (0.6, 0.5), "not separable at this scale"),
+    ((0.7, 0.6), (0.6, 0.5), "not separable at this scale"),  # a tie is no win
+    ((0.8, 0.7), (0.5,), "needs >= 2 seeds per side"),
+])
+def test_a_finding_holds_only_when_every_seed_of_one_side_beats_every_seed_of_the_other(higher, lower, verdict,
+                                                                                          tmp_path):
+    finding = study.FINDINGS["group-size"][0]
+    for variant, values in ((finding.higher, higher), (finding.lower, lower)):
+        for seed, value in enumerate(values, 1):
+            fake_run(tmp_path, variant, seed, value, finding.metric)
+    row = verdict_row(tmp_path, "group-size", finding)
+    assert row.endswith(f"| {verdict} |")
+    assert f"| {sum(higher) / len(higher) - sum(lower) / len(lower):+.4g} |" in row
+    assert f"`{finding.higher}` {sum(higher) / len(higher):.4g} ({min(higher):.4g}-{max(higher):.4g}, " \
+           f"n={len(higher)})" in row
+
+
+def test_an_unfinished_run_is_not_a_seed_of_the_verdict(tmp_path):
+    finding = study.FINDINGS["group-size"][1]  # a training metric (KL), not the accuracy
+    fake_run(tmp_path, finding.higher, 1, 0.8, finding.metric)
+    fake_run(tmp_path, finding.higher, 2, 0.7, finding.metric)
+    fake_run(tmp_path, finding.higher, 3, 0.1, finding.metric, last_step=9)  # stopped one step short
+    fake_run(tmp_path, finding.lower, 1, 0.6, finding.metric)
+    fake_run(tmp_path, finding.lower, 2, 0.5, finding.metric, num_steps=20)  # resumed to 20 steps, stopped at 10
+    row = verdict_row(tmp_path, "group-size", finding)
+    assert "(0.7-0.8, n=2)" in row and "(0.6-0.6, n=1)" in row and row.endswith("| needs >= 2 seeds per side |")
+    fake_run(tmp_path, finding.lower, 3, 0.5, finding.metric)
+    assert verdict_row(tmp_path, "group-size", finding).endswith("| held |")
+
+
+def test_every_finding_compares_two_variants_of_its_experiment_on_a_metric_their_scripts_log():
+    """A renamed variant or metric would leave its finding without runs for ever, reading as too few seeds."""
+    assert set(study.FINDINGS) == set(study.EXPERIMENTS) - study.CPU_ONLY
+    for experiment, findings in study.FINDINGS.items():
+        scripts = {variant: script for variant, script, _ in study.EXPERIMENTS[experiment][1]}
+        for finding in findings:
+            assert finding.higher != finding.lower and {finding.higher, finding.lower} <= set(scripts), finding
+            for variant in (finding.higher, finding.lower):
+                logged = (ROOT / f"{scripts[variant]}.py").read_text() + (ROOT / "common.py").read_text()
+                assert f'"{finding.metric}"' in logged, (finding, scripts[variant])
+
+
+def test_the_summary_ends_with_the_verdicts_where_the_paper_has_findings(tmp_path, capsys):
+    for seed in (1, 2):
+        fake_run(tmp_path / "cpu" / "group-size", "G8", seed, 0.8)
+        fake_run(tmp_path / "cpu" / "group-size", "G2", seed, 0.5)
+    assert study.main(script_args(study, experiment="group-size", root=str(tmp_path), summary=True)) == 0
+    printed = capsys.readouterr().out
+    assert printed.rstrip().endswith(verdict_row(tmp_path / "cpu" / "group-size", "group-size",
+                                                 study.FINDINGS["group-size"][-1]))
+    assert f"{study.FINDINGS['group-size'][0].claim} | `charts/eval_accuracy` | `G8` 0.8 (0.8-0.8, n=2)" in printed
+    assert study.main(script_args(study, experiment="ladder", root=str(tmp_path), summary=True)) == 0
+    assert "paper's finding" not in capsys.readouterr().out

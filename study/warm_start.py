@@ -14,6 +14,11 @@ numbers in random order, `+` was right twice as often as `-` on a two-number tas
 every prompt and the policy collapsed to "always add": study/README.md, pilots.) The held-out tasks of
 the task settings given (--task-* flags, --test-size) are never among the examples.
 
+`--trace search` writes ` The target is T. Try E1 = V1. Try E2 = V2. I will try E2. ...`: 1 to --max-tries
+random expressions, each with its exact value, and the answer is the last one tried. How many tries there
+are is drawn before any is written, so a try that hits the target is followed by another as often as one
+that misses: the model learns to work out values and to compare, and RL has to learn when to stop.
+
     python study/warm_start.py --out runs/warm_start     # ~4 min on 2 CPU cores
     python grpo.py --model runs/warm_start ...
     python grpo.py --model bundled-warm ...              # the same, made once per machine and cached
@@ -68,6 +73,12 @@ class Args:
     """seed of the examples and their order"""
     operators: str = "+-*/"
     """operators of the examples' expressions, each drawn uniformly (never chosen by the target)"""
+    trace: Literal["guess", "search"] = "guess"
+    """`guess`: the completion restates the target and names one expression; `search`: it first tries 1 to
+    --max-tries random expressions and works out each one's value (`Try 83 + 21 = 104.`), then answers with
+    the last one tried, so the model learns to compute and compare, not when to stop"""
+    max_tries: int = 3
+    """with --trace search: most expressions tried before the answer (how many is drawn uniformly)"""
     prompt_template: Literal["auto", "chat", "base"] = "auto"
     """the prompt the RL runs will use (training's --prompt-template)"""
     test_size: int = 128
@@ -107,17 +118,23 @@ def examples(args: Args, count: int, exclude: set) -> list[dict]:
         task = {"nums": nums, "target": int(target)}
         if common.task_key(task) in exclude:
             continue
-        expr, _ = random_expression(nums, args.operators, rng, largest_first=True)
+        if args.trace == "search":  # how many tries and which ones are drawn without looking at the target
+            tries = [random_expression(nums, args.operators, rng, largest_first=True)
+                     for _ in range(rng.randint(1, args.max_tries))]
+            expr = tries[-1][0]
+            work = "".join(f" Try {e} = {v}." for e, v in tries)  # a Fraction prints as 83/21
+        else:
+            expr, work = random_expression(nums, args.operators, rng, largest_first=True)[0], ""
         text = f"</think>\n<answer> {expr} </answer>"
         assert countdown_reward.is_well_formed(text) and countdown_reward.uses_numbers_exactly(expr, nums)
-        out.append({**task, "completion": f" The target is {task['target']}. I will try {expr}.{text}"})
+        out.append({**task, "completion": f" The target is {task['target']}.{work} I will try {expr}.{text}"})
     return out
 
 
 def check_args(args: Args) -> None:
     bookkeeping.check_finite(args)
     bookkeeping.check_task_args(args)
-    for name in ("num_steps", "batch_size", "test_size"):
+    for name in ("num_steps", "batch_size", "test_size", "max_tries"):
         common.require(getattr(args, name) >= 1, name, getattr(args, name), "a positive integer")
     common.require(args.learning_rate > 0, "learning_rate", args.learning_rate, "> 0")
     common.require(bool(args.operators) and set(args.operators) <= set("+-*/"), "operators", args.operators,

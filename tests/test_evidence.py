@@ -4,6 +4,8 @@ constant answer does well on, a warm start whose answers ignore the target, and 
 import collections
 import json
 import random
+import re
+from fractions import Fraction
 import subprocess
 import sys
 
@@ -82,11 +84,12 @@ def test_every_evaluation_reports_its_baselines(tiny_model_dir):
     assert [d["nums"] for d in details] == [t["nums"] for t in test] and all("completion" in d for d in details)
 
 
-def test_warm_start_answers_do_not_depend_on_which_operator_is_right():
+@pytest.mark.parametrize("trace", ["guess", "search"])
+def test_warm_start_answers_do_not_depend_on_which_operator_is_right(trace):
     """On two-number examples the share of `+` answers is the same whether or not the target is the sum:
     the label carries no information about the right operator (the earlier warm start never used `+` where
     `+` was right)."""
-    examples = warm_start.examples(script_args(warm_start), 4000, exclude=set())
+    examples = warm_start.examples(script_args(warm_start, trace=trace), 4000, exclude=set())
     two = [e for e in examples if len(e["nums"]) == 2]
     plus = lambda e: " + " in e["completion"].split("<answer>")[1]  # noqa: E731
     is_sum = [e for e in two if e["target"] == sum(e["nums"])]
@@ -99,6 +102,25 @@ def test_warm_start_answers_do_not_depend_on_which_operator_is_right():
     for e in examples:
         assert countdown_reward.is_well_formed(e["completion"]) and min(e["nums"]) >= warm_start.MIN_VALUE
         assert f"The target is {e['target']}." in e["completion"]
+
+
+def test_warm_start_search_works_out_each_try_and_answers_the_last_whatever_the_target():
+    """--trace search: every `Try E = V.` states E's exact value, the answer is the last try, and a try that
+    hits the target is followed by another as often as one that misses (a stop rule that looked at the
+    target would teach the answer)."""
+    examples = warm_start.examples(script_args(warm_start, trace="search", max_tries=3), 3000, exclude=set())
+    went_on = collections.defaultdict(list)  # did another try follow, for tries that hit and that missed
+    for e in examples:
+        tries = re.findall(r" Try ([^=]+) = (-?\d+(?:/\d+)?)\.", e["completion"])
+        assert 1 <= len(tries) <= 3
+        for i, (expr, value) in enumerate(tries):
+            assert countdown_reward.evaluate_equation(expr) == Fraction(value), (expr, value)
+            if i < 2:
+                went_on[Fraction(value) == e["target"]].append(i < len(tries) - 1)
+        answer = e["completion"].split("<answer>")[1].split("</answer>")[0].strip()
+        assert answer == tries[-1][0] and f"I will try {answer}." in e["completion"]
+    rate = {hit: sum(flags) / len(flags) for hit, flags in went_on.items()}
+    assert len(went_on[True]) > 150 and abs(rate[True] - rate[False]) < 0.1, rate
 
 
 def test_warm_start_never_shows_a_held_out_task():

@@ -17,7 +17,7 @@ the task settings given (--task-* flags, --test-size) are never among the exampl
 `--trace search` writes ` The target is T. Try E1 = V1. Try E2 = V2. I will try E2. ...`: 1 to --max-tries
 random expressions, each with its exact value, and the answer is the last one tried. How many tries there
 are is drawn before any is written, so a try that hits the target is followed by another as often as one
-that misses: the model learns to work out values and to compare, and RL has to learn when to stop.
+that misses: the model learns to write values out; when to stop, and so which answer, is left to RL.
 
     python study/warm_start.py --out runs/warm_start     # ~4 min on 2 CPU cores
     python grpo.py --model runs/warm_start ...
@@ -76,7 +76,8 @@ class Args:
     trace: Literal["guess", "search"] = "guess"
     """`guess`: the completion restates the target and names one expression; `search`: it first tries 1 to
     --max-tries random expressions and works out each one's value (`Try 83 + 21 = 104.`), then answers with
-    the last one tried, so the model learns to compute and compare, not when to stop"""
+    the last one tried, so the model learns to write values out, and when to stop is left to RL (it needs more
+    new tokens than the default 48: the pilot used 80)"""
     max_tries: int = 3
     """with --trace search: most expressions tried before the answer (how many is drawn uniformly)"""
     prompt_template: Literal["auto", "chat", "base"] = "auto"

@@ -110,15 +110,17 @@ def test_warm_start_search_works_out_each_try_and_answers_the_last_whatever_the_
     target would teach the answer)."""
     examples = warm_start.examples(script_args(warm_start, trace="search", max_tries=3), 3000, exclude=set())
     went_on = collections.defaultdict(list)  # did another try follow, for tries that hit and that missed
+    how_many = collections.Counter()
     for e in examples:
         tries = re.findall(r" Try ([^=]+) = (-?\d+(?:/\d+)?)\.", e["completion"])
-        assert 1 <= len(tries) <= 3
+        how_many[len(tries)] += 1
         for i, (expr, value) in enumerate(tries):
             assert countdown_reward.evaluate_equation(expr) == Fraction(value), (expr, value)
             if i < 2:
                 went_on[Fraction(value) == e["target"]].append(i < len(tries) - 1)
         answer = e["completion"].split("<answer>")[1].split("</answer>")[0].strip()
         assert answer == tries[-1][0] and f"I will try {answer}." in e["completion"]
+    assert set(how_many) == {1, 2, 3} and all(abs(n / len(examples) - 1 / 3) < 0.04 for n in how_many.values())
     rate = {hit: sum(flags) / len(flags) for hit, flags in went_on.items()}
     assert len(went_on[True]) > 150 and abs(rate[True] - rate[False]) < 0.1, rate
 

@@ -184,6 +184,24 @@ def test_every_finding_compares_two_variants_of_its_experiment_on_a_metric_their
             for variant in (finding.higher, finding.lower):
                 logged = (ROOT / f"{scripts[variant]}.py").read_text() + (ROOT / "common.py").read_text()
                 assert f'"{finding.metric}"' in logged, (finding, scripts[variant])
+                if finding.metric == "losses/kl_ref":  # without a reference model the scripts log 0
+                    changes = dict((v, c) for v, _, c in study.EXPERIMENTS[experiment][1])[variant]
+                    flags = {**study.CPU_SCRIPT[scripts[variant]], **changes}
+                    assert flags.get("beta", 0.0) > 0, finding
+
+
+def test_a_training_quantity_is_read_as_its_last_steps_mean_an_evaluation_as_its_last_value(tmp_path):
+    import json
+
+    folder = tmp_path / "x" / "G2__1__1700000000"
+    folder.mkdir(parents=True)
+    (folder / "args.json").write_text(json.dumps({"num_steps": 20}))
+    rows = [{"step": 0, "charts/eval_accuracy": 0.1}] + [{"step": s, "losses/kl_ref": float(s)} for s in range(1, 21)]
+    rows.append({"step": 20, "charts/eval_accuracy": 0.7})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    runs = study.variant_runs(tmp_path / "x")["G2"]
+    assert study.finished_values(runs, "losses/kl_ref") == [sum(range(11, 21)) / study.TAIL]
+    assert study.finished_values(runs, "charts/eval_accuracy") == [0.7]
 
 
 def test_the_summary_ends_with_the_verdicts_where_the_paper_has_findings(tmp_path, capsys):

@@ -24,6 +24,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import bookkeeping  # noqa: E402
 
 
 def new_rows(path: str, seen: int) -> list[dict]:
@@ -47,11 +49,9 @@ def main():
     cache = a.cache or tempfile.mkdtemp(prefix="first-command-cache-")
     os.makedirs(cache, exist_ok=True)
     runs = tempfile.mkdtemp(prefix="first-command-runs-")
-    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
     cmd = [sys.executable, os.path.join(ROOT, a.script), "--runs-dir", runs, *shlex.split(a.extra)]
     print(json.dumps({"command": shlex.join(["python", *cmd[1:]]), "cache": cache,
-                      "cache_was_empty": not os.listdir(cache), "commit": commit}), flush=True)
+                      "cache_was_empty": not os.listdir(cache), **bookkeeping.code_version()}), flush=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill stops the run too (the finally below)
     log = open(os.path.join(runs, "output.log"), "w")
     start = time.monotonic()

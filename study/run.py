@@ -255,7 +255,6 @@ def summary_table(out_dir: Path) -> str:
                      if any("charts/eval_accuracy" in r for r in rows) and any(r["step"] >= 1 for r in rows)]
         if evaluated:
             variants[name] = evaluated
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     for name, runs in variants.items():
         evals = [[r for r in rows if "charts/eval_accuracy" in r] for rows in runs]
         final = [e[-1]["charts/eval_accuracy"] for e in evals]
@@ -265,11 +264,11 @@ def summary_table(out_dir: Path) -> str:
         step_times = sorted(r["time/step"] for t in train for r in t)
         lines.append(
             f"| {name} | {len(runs)} | {min(t[-1]['step'] for t in train)} | {constant:.3f} | {guess:.3f} | "
-            f"{mean([e[0]['charts/eval_accuracy'] for e in evals]):.3f} | {mean(final):.3f} | "
-            f"{min(final):.3f}-{max(final):.3f} | {mean(final) - constant:+.3f} | "
-            f"{mean([t[-1].get('losses/entropy', float('nan')) for t in train]):.3f} | "
-            f"{mean([t[-1]['charts/response_length'] for t in train]):.1f} | {step_times[len(step_times) // 2]:.0f} | "
-            f"{mean([wall_minutes(rows) for rows in runs]):.0f} min |")
+            f"{fmean([e[0]['charts/eval_accuracy'] for e in evals]):.3f} | {fmean(final):.3f} | "
+            f"{min(final):.3f}-{max(final):.3f} | {fmean(final) - constant:+.3f} | "
+            f"{fmean([t[-1].get('losses/entropy', float('nan')) for t in train]):.3f} | "
+            f"{fmean([t[-1]['charts/response_length'] for t in train]):.1f} | {step_times[len(step_times) // 2]:.0f} | "
+            f"{fmean([wall_minutes(rows) for rows in runs]):.0f} min |")
     return "\n".join(lines)
 
 

@@ -118,7 +118,7 @@ def test_warm_start_search_works_out_each_try_and_answers_the_last_whatever_the_
             assert countdown_reward.evaluate_equation(expr) == Fraction(value), (expr, value)
             if i < 2:
                 went_on[Fraction(value) == e["target"]].append(i < len(tries) - 1)
-        answer = e["completion"].split("<answer>")[1].split("</answer>")[0].strip()
+        answer = countdown_reward.extract_answer(e["completion"])
         assert answer == tries[-1][0] and f"I will try {answer}." in e["completion"]
     assert set(how_many) == {1, 2, 3} and all(abs(n / len(examples) - 1 / 3) < 0.04 for n in how_many.values())
     rate = {hit: sum(flags) / len(flags) for hit, flags in went_on.items()}

@@ -191,43 +191,51 @@ def one_token_loss(ratio: float, advantage: float, *clip, policy_loss=None):
     return loss.item(), logprobs.grad.item(), stats
 
 
-def run_update(algo, model_dir, out, nproc=1, **flags):
-    """tests/update_worker.py: one update of `algo` on a fixed batch, in 1 or `nproc` processes; the weights."""
+def run_updates(algo, model_dir, out, configs, nproc=1):
+    """tests/update_worker.py: one update of `algo` on a fixed batch for each of `configs` ({name: flags}), in
+    1 or `nproc` processes, all in one launch (start-up takes most of the time); {name: the weights}."""
     import torch
 
     worker = os.path.join(ROOT, "tests", "update_worker.py")
-    extra = [f"{k}={v}" for k, v in flags.items()]
-    if nproc == 1:
-        cmd = [sys.executable, worker, algo, model_dir, str(out), *extra]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-               worker, algo, model_dir, str(out), *extra]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env("1"), timeout=300)
+    prefix = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                   f"--nproc_per_node={nproc}", "--standalone"]
+    result = subprocess.run(prefix + [worker, algo, model_dir, str(out), json.dumps(configs)], capture_output=True,
+                            text=True, env=subprocess_env("1"), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return torch.load(out)
 
 
-def assert_same_update_for_any_split(algo, model_dir, tmp_path, split_micro_batch_size, **flags):
+def assert_same_update_for_any_split(algo, model_dir, tmp_path, split_micro_batch_size, extra_one_process=None,
+                                     **flags):
     """One process on the whole batch of 8, then 2 DDP and 2 FSDP2 processes with micro-batches of
     `split_micro_batch_size`: the same weights after the update (FSDP2 reduce-scatters instead). Then 4
     minibatches and 2 epochs (8 optimizer steps, each of 2 DDP processes holding 4 of the 8 rows): the minibatches
-    are slices of one permutation of all rows, so 2 processes take the same 8 steps as 1."""
+    are slices of one permutation of all rows, so 2 processes take the same 8 steps as 1. `extra_one_process`:
+    more one-process configurations ({name: flags}, `flags` added) for the caller to compare; returns every
+    one-process result by name, "whole" the batch of 8 in one micro-batch."""
     import torch
 
     steps = dict(num_minibatches=4, update_epochs=2, learning_rate=0.1)  # at 1.0, 8 steps amplify rounding to 1e-3
     if algo == "ppo":
         steps["critic_learning_rate"] = 0.01
-    one = run_update(algo, model_dir, tmp_path / "steps-one.pt", micro_batch_size=8, **steps, **flags)
-    two = run_update(algo, model_dir, tmp_path / "steps-two.pt", nproc=2, micro_batch_size=1, **steps, **flags)
-    torch.testing.assert_close(two, one, atol=2e-6, rtol=1e-4, msg=lambda m: f"4 minibatches: {m}")
-
-    whole = run_update(algo, model_dir, tmp_path / "whole.pt", micro_batch_size=8, **flags)
+    one_process = {"steps-one": dict(micro_batch_size=8, **steps), "whole": dict(micro_batch_size=8),
+                   **(extra_one_process or {})}
+    two_processes = {"steps-two": dict(micro_batch_size=1, **steps)}
     for fsdp in (False, True):
-        split = run_update(algo, model_dir, tmp_path / f"split-fsdp{fsdp}.pt", nproc=2,
-                           micro_batch_size=split_micro_batch_size, fsdp=fsdp, **flags)
-        torch.testing.assert_close(split, whole, atol=2e-6, rtol=1e-4, msg=lambda m: f"fsdp={fsdp}: {m}")
+        two_processes[f"split-fsdp{fsdp}"] = dict(micro_batch_size=split_micro_batch_size, fsdp=fsdp)
         # micro-batches by a budget of 15 padded tokens: rank 0 needs 4, rank 1 only 3 (and balances its rows over 4)
-        packed = run_update(algo, model_dir, tmp_path / f"packed-fsdp{fsdp}.pt", nproc=2, micro_batch_size=8,
-                            max_tokens_per_micro_batch=15, fsdp=fsdp, **flags)
-        torch.testing.assert_close(packed, whole, atol=2e-6, rtol=1e-4, msg=lambda m: f"packed, fsdp={fsdp}: {m}")
-    return whole
+        two_processes[f"packed-fsdp{fsdp}"] = dict(micro_batch_size=8, max_tokens_per_micro_batch=15, fsdp=fsdp)
+    # one launch per process count: each configuration still starts from a fresh model (see update_worker.py)
+    one = run_updates(algo, model_dir, tmp_path / "one.pt", {k: {**c, **flags} for k, c in one_process.items()})
+    two = run_updates(algo, model_dir, tmp_path / "two.pt", {k: {**c, **flags} for k, c in two_processes.items()},
+                      nproc=2)
+    torch.testing.assert_close(two["steps-two"], one["steps-one"], atol=2e-6, rtol=1e-4,
+                               msg=lambda m: f"4 minibatches: {m}")
+
+    whole = one["whole"]
+    for fsdp in (False, True):
+        torch.testing.assert_close(two[f"split-fsdp{fsdp}"], whole, atol=2e-6, rtol=1e-4,
+                                   msg=lambda m: f"fsdp={fsdp}: {m}")
+        torch.testing.assert_close(two[f"packed-fsdp{fsdp}"], whole, atol=2e-6, rtol=1e-4,
+                                   msg=lambda m: f"packed, fsdp={fsdp}: {m}")
+    return one

@@ -1,10 +1,14 @@
-"""Run one algorithm's update on a fixed synthetic batch, one process or under torchrun, and save the
-resulting weights. Each process takes its contiguous share of the batch, as the training loop does.
+"""Run one algorithm's update on a fixed synthetic batch, one process or under torchrun, for each of several
+configurations, and save the resulting weights. Each process takes its contiguous share of the batch, as the
+training loop does. Each configuration starts from the same state, as if it ran alone: one launch runs them all
+because start-up and imports take most of the time.
 
-usage: [torchrun --nproc_per_node=N] update_worker.py ALGO MODEL_DIR OUT.pt [flag=value ...]
+usage: [torchrun --nproc_per_node=N] update_worker.py ALGO MODEL_DIR OUT.pt CONFIGS
+CONFIGS: JSON {name: {flag: value, ...}, ...}; OUT.pt: {name: the updated weights, flattened}
 """
 
 import importlib
+import json
 import os
 import sys
 
@@ -19,20 +23,16 @@ import common  # noqa: E402
 from conftest import script_args, synthetic_rollout  # noqa: E402
 
 
-def main():
-    algo_name, model_dir, out = sys.argv[1:4]
+def update(algo_name, model_dir, flags, world):
+    """One configuration's update from a fresh model; the weights, flattened, on the main process (else None)."""
     algo = importlib.import_module(algo_name)
     defaults = bookkeeping.flat_args(script_args(algo))
-    overrides = {}
-    for k, v in (kv.split("=", 1) for kv in sys.argv[4:]):
-        kind = type(defaults[k])
-        overrides[k] = v == "True" if kind is bool else kind(v)
+    overrides = {k: type(defaults[k])(v) for k, v in flags.items()}  # e.g. a learning rate of 1 as a float
     # no gradient clipping: it would hide a wrongly scaled gradient. One minibatch of one epoch unless the
     # test asks for more (the minibatches are slices of one permutation of both processes' rows)
     ppo_settings = dict(critic_learning_rate=1.0, lam=0.95, clip_value=0.05) if algo_name == "ppo" else {}
     args = script_args(algo, **{**dict(model=model_dir, beta=0.05, learning_rate=1.0, group_size=4, prompts_per_step=2,
                                        max_grad_norm=1e9, num_minibatches=1), **ppo_settings, **overrides})
-    world = common.setup_distributed("cpu")
     torch.manual_seed(0)
     policy = common.load_model(model_dir, world.device)
     ref_model = common.load_model(model_dir, world.device, trainable=False)
@@ -74,8 +74,15 @@ def main():
                            args, torch.Generator().manual_seed(0), world)
     assert all(common.is_sharded(m) == (args.system.fsdp and world.enabled) for m in trained)
     full = [bookkeeping.full_state_dict(m) or common.unwrap(m).state_dict() for m in trained]  # gathers FSDP2 shards
+    return torch.cat([t.detach().flatten() for sd in full for t in sd.values()]) if world.is_main else None
+
+
+def main():
+    algo_name, model_dir, out, configs = sys.argv[1:5]
+    world = common.setup_distributed("cpu")  # one process group for all: every configuration wraps fresh models
+    weights = {name: update(algo_name, model_dir, flags, world) for name, flags in json.loads(configs).items()}
     if world.is_main:
-        torch.save(torch.cat([t.detach().flatten() for sd in full for t in sd.values()]), out)
+        torch.save(weights, out)
     common.cleanup_distributed()
 
 

@@ -174,6 +174,12 @@ def steps_logged(folder: Path) -> int:
     return max((row["step"] for row in read_rows(folder)), default=0) if (folder / "metrics.jsonl").is_file() else 0
 
 
+def finished(folder: Path) -> bool:
+    """Did the run log every step its args.json asks for (`num_steps`, which every script writes)?"""
+    num_steps = bookkeeping.read_json_object(folder / "args.json").get("num_steps")
+    return bool(num_steps) and steps_logged(folder) >= num_steps
+
+
 def run_state(out_dir: Path, variant: str, num_steps: int, seed: int = 1) -> tuple[str, Path | None]:
     """`finished` (its metrics reached num_steps), `resumable` (a checkpoint to go on from) or `new`. A
     folder of the variant that is neither (stopped before its first checkpoint) is removed, so that the new
@@ -205,8 +211,7 @@ def final_evaluations(args: Args, experiment: str) -> list[tuple[str, list[str]]
     for folder in sorted(p for p in out_dir.glob("*__*") if (p / "args.json").is_file()):
         if (folder / FINAL_EVAL).is_file() or not bookkeeping.complete_checkpoints(folder):
             continue
-        num_steps = bookkeeping.read_json_object(folder / "args.json").get("num_steps")
-        if steps_logged(folder) >= (num_steps or 1):
+        if finished(folder):
             commands.append((f"evaluate {folder.name}", [sys.executable, str(ROOT / "evaluate.py"), str(folder),
                                                          "--out", str(folder / FINAL_EVAL),
                                                          "--details", str(folder / FINAL_DETAILS)]))
@@ -342,12 +347,11 @@ def finished_values(runs: list[tuple[Path, list[dict]]], metric: str) -> list[fl
     for an evaluation metric, else the mean of the last TAIL training steps."""
     by_seed = {}
     for folder, rows in runs:
-        num_steps = bookkeeping.read_json_object(folder / "args.json").get("num_steps")
         if metric.startswith("charts/eval_"):
             values = [r[metric] for r in rows if metric in r][-1:]
         else:
             values = [r[metric] for r in rows if metric in r and r["step"] >= 1][-TAIL:]
-        if num_steps and values and max(r["step"] for r in rows) >= num_steps:
+        if values and finished(folder):
             by_seed[folder.name.split("__")[1]] = fmean(values)
     return list(by_seed.values())
 

@@ -226,6 +226,8 @@ def assert_same_update_for_any_split(algo, model_dir, tmp_path, split_micro_batc
         # micro-batches by a budget of 15 padded tokens: rank 0 needs 4, rank 1 only 3 (and balances its rows over 4)
         two_processes[f"packed-fsdp{fsdp}"] = dict(micro_batch_size=8, max_tokens_per_micro_batch=15, fsdp=fsdp)
     # one launch per process count: each configuration still starts from a fresh model (see update_worker.py)
+    clash = set(flags) & {key for c in [*one_process.values(), *two_processes.values()] for key in c}
+    assert not clash, f"{clash}: set by the comparison itself (the runs would no longer differ in them)"
     one = run_updates(algo, model_dir, tmp_path / "one.pt", {k: {**c, **flags} for k, c in one_process.items()})
     two = run_updates(algo, model_dir, tmp_path / "two.pt", {k: {**c, **flags} for k, c in two_processes.items()},
                       nproc=2)

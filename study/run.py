@@ -150,7 +150,7 @@ def run_commands(args: Args, experiment: str) -> list[tuple[str, list[str]]]:
             if "learning_rate_scale" in flags:
                 flags["learning_rate"] = flags["learning_rate"] * flags.pop("learning_rate_scale")
             flags.update(exp_name=variant, seed=seed, runs_dir=str(out_dir))
-            state, folder = run_state(out_dir, variant, flags["num_steps"], seed)
+            state, folder = run_state(out_dir, variant, flags["num_steps"], seed, args.dry_run)
             if state == "finished":
                 continue
             cmd = [sys.executable, str(ROOT / f"{script}.py")] + flag_list(flags) + shlex.split(args.extra)
@@ -180,18 +180,31 @@ def finished(folder: Path) -> bool:
     return bool(num_steps) and steps_logged(folder) >= num_steps
 
 
-def run_state(out_dir: Path, variant: str, num_steps: int, seed: int = 1) -> tuple[str, Path | None]:
+def run_state(out_dir: Path, variant: str, num_steps: int, seed: int = 1,
+              dry_run: bool = False) -> tuple[str, Path | None]:
     """`finished` (its metrics reached num_steps), `resumable` (a checkpoint to go on from) or `new`. A
-    folder of the variant that is neither (stopped before its first checkpoint) is removed, so that the new
-    run does not stand beside it: one folder per variant and seed."""
+    folder of the variant that is neither and stopped before its first checkpoint is removed (not in a dry
+    run), so that the new run does not stand beside it: one folder per variant and seed. One that logged
+    more (its checkpoints deleted, e.g. a committed run asked for more steps) holds results: refused."""
     for folder in reversed(run_folders(out_dir, variant, seed)):
-        if steps_logged(folder) >= num_steps:
+        logged = steps_logged(folder)
+        if logged >= num_steps:
             return "finished", folder
         if bookkeeping.complete_checkpoints(folder):
             return "resumable", folder
-        if not folder.is_symlink() and not in_use(folder):
-            print(f"study: removing {folder}, a run stopped before its first checkpoint", file=sys.stderr)
-            shutil.rmtree(folder)
+        if folder.is_symlink() or in_use(folder):
+            continue
+        run_args = bookkeeping.read_json_object(folder / "args.json")
+        first_checkpoint = run_args.get("save_every") or run_args.get("num_steps") or 1  # save_every 0: at the end
+        if logged >= first_checkpoint or (folder / FINAL_EVAL).exists():
+            raise common.ConfigError(
+                f"--steps={num_steps} is not allowed for {folder}: it logged {logged} steps and has no checkpoint to "
+                f"continue from (at most {logged}, or move the folder out of {out_dir} to run it anew)")
+        if dry_run:
+            print(f"study: would remove {folder}, a run stopped before its first checkpoint", file=sys.stderr)
+            continue
+        print(f"study: removing {folder}, a run stopped before its first checkpoint", file=sys.stderr)
+        shutil.rmtree(folder)
     return "new", None
 
 

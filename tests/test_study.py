@@ -2,6 +2,7 @@
 
 import importlib
 import importlib.util
+import shutil
 import sys
 
 import pytest
@@ -10,7 +11,7 @@ import tyro
 from bookkeeping import flat_args
 import common
 import grpo
-from conftest import ROOT, script_args, tiny_args
+from conftest import ROOT, read_metrics, script_args, tiny_args
 
 
 def load(name):
@@ -64,6 +65,15 @@ def test_a_stopped_study_skips_finished_runs_and_resumes_unfinished_ones(tiny_mo
     assert evaluate[2] == str(folder) and evaluate[evaluate.index("--details") + 1].endswith(study.FINAL_DETAILS)
     (folder / study.FINAL_EVAL).write_text("{}")
     assert study.final_evaluations(args, "group-size") == []
+    # its checkpoints deleted (as a clone's committed runs have none), more steps are refused, even in a dry run:
+    # the folder holds results, not an orphan to remove
+    for checkpoint in folder.glob("checkpoint-*"):
+        shutil.rmtree(checkpoint)
+    for dry_run in (True, False):
+        with pytest.raises(common.ConfigError, match=f"--steps=3 is not allowed for {folder}: it logged 2 steps"):
+            study.run_commands(script_args(study, experiment="group-size", scale="cpu", root=str(tmp_path), steps=3,
+                                           dry_run=dry_run), "group-size")
+    assert [row["step"] for row in read_metrics(folder)[1]] == [0, 1, 2]
 
 
 def test_an_orphan_variant_is_replaced_and_a_seed_is_a_run_of_its_own(tiny_model_dir, tmp_path):
@@ -77,6 +87,9 @@ def test_an_orphan_variant_is_replaced_and_a_seed_is_a_run_of_its_own(tiny_model
     (orphan / "args.json").write_text(json.dumps({"script": "grpo", "exp_name": "G2", "seed": 1}))
     (orphan / "metrics.jsonl").write_text(json.dumps({"step": 0, "charts/eval_accuracy": 0.5}) + "\n")
     args = script_args(study, experiment="group-size", scale="cpu", root=str(tmp_path), seeds=(1, 2), only=("G2",))
+    study.run_commands(script_args(study, experiment="group-size", scale="cpu", root=str(tmp_path), only=("G2",),
+                                   dry_run=True), "group-size")
+    assert orphan.exists()  # a dry run removes nothing
     commands = study.run_commands(args, "group-size")
     assert [label for label, _ in commands] == ["G2 seed 1", "G2 seed 2"] and not orphan.exists()
     assert [cmd[cmd.index("--seed") + 1] for _, cmd in commands] == ["1", "2"]

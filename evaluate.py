@@ -186,12 +186,23 @@ def by_operator_class(details: list[dict]) -> dict:
 
 
 def writable_file(path: str, flag: str) -> None:
-    """Checked before the evaluation, so that a bad path does not waste it: its folder exists and takes files."""
+    """Checked before the evaluation, so that a bad path does not waste it: its folder exists and takes files,
+    and it is not a link (written through, it would change a file elsewhere)."""
     folder = os.path.dirname(os.path.abspath(path))
     common.require(os.path.isdir(folder), flag, path, "a file in an existing folder")
+    common.require(not os.path.islink(path), flag, path, "a file, not a symbolic link")
     common.require(not os.path.isdir(path), flag, path, "a file, not a folder")
     common.require(os.access(folder, os.W_OK) and (not os.path.exists(path) or os.access(path, os.W_OK)), flag,
                    path, "a file this user may write")
+
+
+def check_outputs(out: str, details: str) -> None:
+    for flag, path in (("out", out), ("details", details)):
+        if path:
+            writable_file(path, flag)
+    # --details replaces its file: the same file as --out would lose the records appended to it
+    common.require(not (out and details and os.path.realpath(out) == os.path.realpath(details)), "details", details,
+                   "another file than --out")
 
 
 def main(args: Args, typed: set[str]) -> dict:
@@ -200,9 +211,7 @@ def main(args: Args, typed: set[str]) -> dict:
         if name in run_args and name not in typed:
             setattr(args, name, run_args[name])
     check_args(args)
-    for flag in ("out", "details"):
-        if getattr(args, flag):
-            writable_file(getattr(args, flag), flag)
+    check_outputs(args.out, args.details)
     world = common.setup_distributed(args.device)
     _, test_tasks = common.load_countdown(
         args.dataset, args.test_size, run_args.get("seed", 1), min_numbers=args.task_min_numbers,
@@ -246,12 +255,12 @@ def main(args: Args, typed: set[str]) -> dict:
             print(f"{key:<{width}}  {value:.4f}" if isinstance(value, float) else f"{key:<{width}}  {value}",
                   file=sys.stderr)
         print(json.dumps(result), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
+        if args.out:  # neither is written through a link
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+            with os.fdopen(bookkeeping.open_run_file(Path(args.out), flags, "--out"), "a") as f:
                 f.write(json.dumps(result) + "\n")
         if args.details:
-            with open(args.details, "w") as f:
-                f.writelines(json.dumps(row) + "\n" for row in details)
+            bookkeeping.write_run_file(Path(args.details), [json.dumps(row) + "\n" for row in details], "--details")
     backend.close()
     common.cleanup_distributed()
     return result

@@ -29,6 +29,7 @@ The folder is written beside --out and renamed into place under a lock.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import random
@@ -142,13 +143,24 @@ def check_args(args: Args) -> None:
                    "one or more of + - * /")
 
 
+MODEL_FILES = ("*.json", "*.safetensors", "*.jinja", "*.txt", "*.model")
+"""what save_pretrained writes (weights, config, tokenizer) besides MARKER: all an earlier warm start may hold"""
+
+
 def check_out(out: Path) -> None:
-    """--out may be missing, or an earlier warm start (it holds MARKER); anything else is refused."""
+    """--out may be missing, or an earlier warm start (it holds MARKER and model files only): replacing it
+    removes the folder, so anything else in it (an evaluation beside it, notes) is refused."""
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise common.ConfigError(f"--out={str(out)!r} is not allowed: it is a file or a link, not a folder")
     if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
         raise common.ConfigError(f"--out={str(out)!r} is not allowed: the folder exists and was not written by "
                                  f"study/warm_start.py (no {MARKER}); name a new folder")
+    if out.is_dir():
+        others = sorted(p.name for p in out.iterdir() if p.is_symlink() or not p.is_file()
+                        or not any(fnmatch.fnmatch(p.name, pattern) for pattern in MODEL_FILES))
+        if others:
+            raise common.ConfigError(f"--out={str(out)!r} is not allowed: besides an earlier warm start it holds "
+                                     f"{', '.join(others[:3])}, which replacing it would delete; name a new folder")
 
 
 def main(args: Args) -> str:

@@ -27,7 +27,8 @@ def test_a_runs_checkpoint_scores_as_its_final_evaluation(tiny_model_dir, tmp_pa
     args = tiny_args(grpo, model=tiny_model_dir, num_steps=2, eval_size=6, save_every=1, keep_checkpoints=0,
                      runs_dir=str(tmp_path), **tasks)
     out = grpo.train(args)
-    result = run_script(["evaluate.py", out["run_dir"], "--out", str(tmp_path / "eval.jsonl")])
+    result = run_script(["evaluate.py", out["run_dir"], "--out", str(tmp_path / "eval.jsonl"),
+                         "--details", str(tmp_path / "details.jsonl")])
     assert result.returncode == 0, result.stderr[-3000:]
     scored = json.loads(result.stdout.strip().splitlines()[-1])
     assert scored["step"] == 2 and scored["tasks"] == 6 and scored["max_new_tokens"] == 12
@@ -35,6 +36,8 @@ def test_a_runs_checkpoint_scores_as_its_final_evaluation(tiny_model_dir, tmp_pa
     assert scored["format_rate"] == out["charts/eval_format_rate"]
     assert scored["response_length"] == pytest.approx(out["charts/eval_response_length"], abs=1e-9)
     assert json.loads((tmp_path / "eval.jsonl").read_text()) == scored
+    details = [json.loads(line) for line in (tmp_path / "details.jsonl").read_text().splitlines()]
+    assert len(details) == 6 and sum(d["correct"] for d in details) / 6 == scored["greedy_accuracy"]
     # the step-0 row of the run is the starting model: evaluating that model gives the same numbers
     base = run_script(["evaluate.py", tiny_model_dir, *as_flags(**tasks)])
     assert base.returncode == 0, base.stderr[-3000:]

@@ -148,6 +148,10 @@ def test_warm_start_keeps_folders_it_did_not_write(tiny_model_dir, tmp_path):
         warm_start.main(script_args(warm_start, out=str(out), model=tiny_model_dir, num_steps=1, batch_size=2))
     assert json.loads((out / warm_start.MARKER).read_text())["num_steps"] == 1
     common.check_model_folder(str(out))
+    (out / "eval.jsonl").write_text("{}\n")  # an evaluation kept beside the model (study/results/cpu/warm_start)
+    with pytest.raises(common.ConfigError, match="--out=.*besides an earlier warm start it holds eval.jsonl"):
+        warm_start.main(script_args(warm_start, out=str(out), model=tiny_model_dir, num_steps=1, batch_size=2))
+    (out / "eval.jsonl").unlink()
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["precious", "warm"]
 
 
@@ -157,6 +161,20 @@ def test_evaluate_checks_its_output_paths_before_evaluating(tmp_path):
                                 cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert result.returncode == 2 and flag[2:] in result.stderr and "Traceback" not in result.stderr
         assert "greedy_accuracy" not in result.stdout
+
+
+def test_evaluate_never_writes_through_a_link_nor_both_records_into_one_file(tmp_path):
+    elsewhere = tmp_path / "elsewhere.txt"
+    elsewhere.write_text("keep me")
+    (tmp_path / "link.jsonl").symlink_to(elsewhere)
+    for out, details in ((str(tmp_path / "link.jsonl"), ""), ("", str(tmp_path / "link.jsonl"))):
+        with pytest.raises(common.ConfigError, match="not a symbolic link"):
+            evaluate_script.check_outputs(out, details)
+    same = str(tmp_path / "eval.jsonl")
+    with pytest.raises(common.ConfigError, match="--details=.*another file than --out"):
+        evaluate_script.check_outputs(same, str(tmp_path / "." / "eval.jsonl"))
+    evaluate_script.check_outputs(same, str(tmp_path / "eval_details.jsonl"))
+    assert elsewhere.read_text() == "keep me"
 
 
 def test_evaluate_reports_accuracy_per_operator_class():

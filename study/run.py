@@ -408,6 +408,15 @@ def shown(cmd: list[str]) -> str:
                       + cmd[2:])
 
 
+def study_lock(out_dir: Path, root: str) -> FileLock:
+    """One study at a time writes an experiment's folder; a lock that is a link is refused, not followed."""
+    path = out_dir / ".study.lock"
+    if path.is_symlink():
+        raise common.ConfigError(f"--root={root!r} is not allowed: {path} is a symbolic link, and a lock must be a "
+                                 f"file; remove it")
+    return FileLock(str(path), timeout=0)
+
+
 def main(args: Args) -> int:
     common.require(args.steps >= 0, "steps", args.steps, ">= 0 (0: the scale's default)")
     common.require(bool(args.seeds) and len(set(args.seeds)) == len(args.seeds), "seeds", list(args.seeds),
@@ -430,7 +439,7 @@ def main(args: Args) -> int:
         out_dir = Path(args.root) / args.scale / experiment
         if not args.dry_run:
             out_dir.mkdir(parents=True, exist_ok=True)
-        lock = FileLock(str(out_dir / ".study.lock"), timeout=0) if not args.dry_run else contextlib.nullcontext()
+        lock = study_lock(out_dir, args.root) if not args.dry_run else contextlib.nullcontext()
         try:
             with lock:
                 print(f"# {experiment}: {EXPERIMENTS[experiment][0]}", flush=True)

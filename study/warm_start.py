@@ -147,11 +147,18 @@ MODEL_FILES = ("*.json", "*.safetensors", "*.jinja", "*.txt", "*.model")
 """what save_pretrained writes (weights, config, tokenizer) besides MARKER: all an earlier warm start may hold"""
 
 
+def lock_path(out: Path) -> Path:
+    return out.parent / f".{out.name}.lock"
+
+
 def check_out(out: Path) -> None:
     """--out may be missing, or an earlier warm start (it holds MARKER and model files only): replacing it
     removes the folder, so anything else in it (an evaluation beside it, notes) is refused."""
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise common.ConfigError(f"--out={str(out)!r} is not allowed: it is a file or a link, not a folder")
+    if lock_path(out).is_symlink():
+        raise common.ConfigError(f"--out={str(out)!r} is not allowed: its lock {lock_path(out)} is a symbolic link, "
+                                 f"and a lock must be a file; remove it")
     if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
         raise common.ConfigError(f"--out={str(out)!r} is not allowed: the folder exists and was not written by "
                                  f"study/warm_start.py (no {MARKER}); name a new folder")
@@ -219,7 +226,7 @@ def publish(model, tokenizer, out: Path, record: dict) -> None:
         common.write_portable_config(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / MARKER).write_text(json.dumps(record, indent=1))
-        with FileLock(out.parent / f".{out.name}.lock"):
+        with FileLock(lock_path(out)):
             check_out(out)
             old = None
             if out.exists():

@@ -152,6 +152,15 @@ def test_warm_start_keeps_folders_it_did_not_write(tiny_model_dir, tmp_path):
     with pytest.raises(common.ConfigError, match="--out=.*besides an earlier warm start it holds eval.jsonl"):
         warm_start.main(script_args(warm_start, out=str(out), model=tiny_model_dir, num_steps=1, batch_size=2))
     (out / "eval.jsonl").unlink()
+    lock, elsewhere = warm_start.lock_path(out), tmp_path / "elsewhere.txt"
+    elsewhere.write_text("keep me")
+    lock.unlink()
+    lock.symlink_to(elsewhere)
+    with pytest.raises(common.ConfigError, match="--out=.*its lock .* is a symbolic link"):
+        warm_start.main(script_args(warm_start, out=str(out), model=tiny_model_dir, num_steps=1, batch_size=2))
+    assert elsewhere.read_text() == "keep me"
+    lock.unlink()
+    elsewhere.unlink()
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["precious", "warm"]
 
 

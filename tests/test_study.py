@@ -95,6 +95,17 @@ def test_an_orphan_variant_is_replaced_and_a_seed_is_a_run_of_its_own(tiny_model
     assert [cmd[cmd.index("--seed") + 1] for _, cmd in commands] == ["1", "2"]
 
 
+def test_a_study_lock_that_is_a_link_is_refused_not_followed(tmp_path):
+    out_dir = tmp_path / "cpu" / "group-size"
+    out_dir.mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere.txt"
+    elsewhere.write_text("keep me")
+    (out_dir / ".study.lock").symlink_to(elsewhere)
+    with pytest.raises(common.ConfigError, match="--root=.*study.lock is a symbolic link"):
+        study.study_lock(out_dir, str(tmp_path))
+    assert elsewhere.read_text() == "keep me"
+
+
 def test_unknown_variants_are_refused_for_all_experiments_too(tmp_path):
     for experiment in ("all", "group-size"):
         with pytest.raises(common.ConfigError, match="--only=.*not allowed"):

@@ -283,6 +283,8 @@ def check_out(out: str) -> str:
 
 def out_problem(path: Path) -> str:
     """What keeps a figure from being written at `path` ("" when nothing does), found by opening it to append."""
+    if path.is_symlink():
+        return "a file, not a symbolic link (the figure would be written where it points)"
     if path.is_dir():
         return "a file name, not a folder"
     if not path.parent.is_dir():

@@ -91,15 +91,18 @@ def test_non_numeric_values_and_a_non_object_args_json_are_skipped(tmp_path):
     ("x" * 300 + ".png", "it cannot be written"),  # name too long
     ("f.jpg", "a file name ending in .png, .pdf or .svg"),
     ("f", "a file name ending in .png, .pdf or .svg"),
+    ("link.png", "a file, not a symbolic link"),  # dangling: opening it would create outside.png
 ])
 def test_a_bad_out_is_refused_before_plotting(out, message, tmp_path, monkeypatch):
     (tmp_path / "folder.png").mkdir()
+    (tmp_path / "link.png").symlink_to(tmp_path / "outside.png")
     write_run(tmp_path, "a", GRPO, [{"step": 0, "charts/reward": 0.1}])
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(plot, "figure", lambda args: pytest.fail("plotted before checking --out"))
     with pytest.raises(common.ConfigError, match=f"^--out=.* is not allowed: {message}"):
         plot.plot(script_args(plot, runs=[str(tmp_path / "a")], out=out))
-    assert not (tmp_path / "missing").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["a", "folder.png"]
+    assert not (tmp_path / "missing").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "folder.png", "link.png"]
 
 
 @pytest.mark.parametrize("suffix,magic", [(".png", b"\x89PNG"), (".pdf", b"%PDF"), (".SVG", b"<?xml")])

@@ -327,11 +327,12 @@ def test_a_broken_cache_entry_is_rebuilt_once_and_leaves_no_temporary_folder(bro
     cache.mkdir()
     (cache / f"{ENTRY}.tmp99999").mkdir()  # left by a build that was killed
     (cache / f"{ENTRY}.tmp99999" / "model.safetensors").write_bytes(b"x" * 1000)
+    (cache / f"{ENTRY}.tmp-notes.txt").write_text("not a build's")  # a cache set to a shared folder: kept
     broken(cache / ENTRY, tiny_model_dir)
     assert common.bundled_model_dir() == str(cache / ENTRY)
     common.check_model_folder(str(cache / ENTRY))
     assert common.bundled_model_dir() == str(cache / ENTRY)
-    assert len(convert) == 1 and leftovers(cache) == []
+    assert len(convert) == 1 and leftovers(cache) == [f"{ENTRY}.tmp-notes.txt"]
 
 
 def test_a_failed_build_removes_its_temporary_folder_and_is_one_line(cache, monkeypatch):

@@ -232,7 +232,13 @@ def publish(model, tokenizer, out: Path, record: dict) -> None:
             if out.exists():
                 old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
                 os.replace(out, old / "model")
-            os.replace(tmp, out)
+            try:
+                os.replace(tmp, out)
+            except OSError:
+                if old is not None:  # the earlier warm start goes back where it was
+                    os.replace(old / "model", out)
+                    old.rmdir()
+                raise
             if old is not None:
                 shutil.rmtree(old)
     finally:

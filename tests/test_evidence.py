@@ -6,10 +6,12 @@ import json
 import random
 import re
 from fractions import Fraction
+from pathlib import Path
 import subprocess
 import sys
 
 import pytest
+import torch
 
 import common
 import countdown_reward
@@ -162,6 +164,26 @@ def test_warm_start_keeps_folders_it_did_not_write(tiny_model_dir, tmp_path):
     lock.unlink()
     elsewhere.unlink()
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["precious", "warm"]
+
+
+def test_a_failed_publish_puts_the_earlier_warm_start_back(tiny_model_dir, tmp_path, monkeypatch):
+    import os
+
+    out = tmp_path / "warm"
+    model, tokenizer = common.load_model(tiny_model_dir, torch.device("cpu")), common.load_tokenizer(tiny_model_dir)
+    warm_start.publish(model, tokenizer, out, {"num_steps": 1})
+    rename = os.replace
+
+    def disk_full_for_the_new_one(src, dst):  # the new folder cannot be renamed into place
+        if ".old." not in str(src) and Path(src).name.startswith(f".{out.name}."):
+            raise OSError(28, "No space left on device")
+        return rename(src, dst)
+    monkeypatch.setattr(warm_start.os, "replace", disk_full_for_the_new_one)
+    with pytest.raises(OSError, match="No space left"):
+        warm_start.publish(model, tokenizer, out, {"num_steps": 2})
+    assert json.loads((out / warm_start.MARKER).read_text()) == {"num_steps": 1}
+    common.check_model_folder(str(out))
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["warm"]
 
 
 def test_evaluate_checks_its_output_paths_before_evaluating(tmp_path):

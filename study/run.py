@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import shlex
 import shutil
@@ -290,6 +291,30 @@ def summary_table(out_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def percent(fraction: float) -> str:
+    """72/128 = 0.5625 as 56.3%, half up as people round (format() gives 56.2%, half to even)"""
+    return f"{math.floor(fraction * 1000 + 0.5) / 10:.1f}%"
+
+
+def eval_step_table(out_dir: Path) -> str:
+    """Held-out greedy accuracy at each evaluation step, one row per variant: the mean over its seeds, with
+    min-max and the number of seeds when there are several (a seed stopped early counts where it got to)."""
+    variants = {name: [[r for r in rows if "charts/eval_accuracy" in r] for _, rows in runs]
+                for name, runs in variant_runs(out_dir).items()}
+    steps = sorted({r["step"] for evals in variants.values() for e in evals for r in e})
+    if not steps:
+        return ""
+    lines = ["| run | " + " | ".join(f"step {step}" for step in steps) + " |", "|---|" + "---|" * len(steps)]
+    for name, evals in variants.items():
+        cells = []
+        for step in steps:
+            values = [r["charts/eval_accuracy"] for e in evals for r in e if r["step"] == step]
+            cells.append("" if not values else percent(fmean(values)) if len(values) == 1 else
+                         f"{percent(fmean(values))} ({percent(min(values))}-{percent(max(values))}, n={len(values)})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def operator_table(out_dir: Path) -> str:
     """From each run's FINAL_EVAL: held-out greedy accuracy per operator class of the right answer, and which
     operators the policy chose for it. A policy that reads the target chooses differently per class."""
@@ -431,7 +456,8 @@ def main(args: Args) -> int:
     if args.summary:
         for experiment in experiments:
             out_dir = Path(args.root) / args.scale / experiment
-            print(f"# {experiment}\n\n{summary_table(out_dir)}\n\n{operator_table(out_dir)}\n")
+            print(f"# {experiment}\n\n{summary_table(out_dir)}\n\nHeld-out greedy accuracy per evaluation step\n\n"
+                  f"{eval_step_table(out_dir)}\n\n{operator_table(out_dir)}\n")
             if experiment in FINDINGS:
                 print(f"## The paper's findings\n\n{verdict_table(out_dir, experiment)}\n")
         return 0

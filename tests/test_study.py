@@ -160,6 +160,19 @@ def fake_run(out_dir, variant, seed, value, metric="charts/eval_accuracy", num_s
     (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
+def test_the_summary_gives_each_evaluation_steps_mean_and_range_over_seeds(tmp_path):
+    fake_run(tmp_path, "grpo", 1, 0.6)
+    fake_run(tmp_path, "grpo", 2, 0.7)
+    fake_run(tmp_path, "grpo", 3, 0.5, last_step=5)  # stopped early: counts at step 5 only
+    fake_run(tmp_path, "ppo", 1, 0.8)
+    assert study.eval_step_table(tmp_path).splitlines() == [
+        "| run | step 0 | step 5 | step 10 |", "|---|---|---|---|",
+        "| grpo | 0.0% (0.0%-0.0%, n=3) | 50.0% | 65.0% (60.0%-70.0%, n=2) |",
+        "| ppo | 0.0% |  | 80.0% |"]
+    assert study.eval_step_table(tmp_path / "none") == ""
+    assert study.percent(72 / 128) == "56.3%" and study.percent(0.546875) == "54.7%"
+
+
 def verdict_row(out_dir, experiment, finding):
     (row,) = [line for line in study.verdict_table(out_dir, experiment).splitlines() if finding.claim in line]
     return row

@@ -346,7 +346,8 @@ def bundled_model_dir() -> str:
         if os.path.lexists(target):
             print(f"--model=bundled: {target} is incomplete or damaged; converting it again", file=sys.stderr)
         for stale in target.parent.glob(target.name + ".tmp*"):  # left by killed builds (none runs: we hold the lock)
-            if not stale.name.removeprefix(target.name + ".tmp").isdigit():  # not a build's: not ours to remove
+            pid = stale.name.removeprefix(target.name + ".tmp")
+            if not (pid.isascii() and pid.isdigit()):  # not a build's: not ours to remove
                 continue
             with contextlib.suppress(OSError):
                 remove_path(stale)

@@ -197,12 +197,14 @@ def writable_file(path: str, flag: str) -> None:
 
 
 def check_outputs(out: str, details: str) -> None:
+    """--out and --details, before the evaluation: each writable_file, and two different files."""
     for flag, path in (("out", out), ("details", details)):
         if path:
             writable_file(path, flag)
     # --details replaces its file: the same file as --out would lose the records appended to it
-    common.require(not (out and details and os.path.realpath(out) == os.path.realpath(details)), "details", details,
-                   "another file than --out")
+    same = out and details and (os.path.realpath(out) == os.path.realpath(details) or (
+        os.path.exists(out) and os.path.exists(details) and os.path.samefile(out, details)))  # hard links too
+    common.require(not same, "details", details, "another file than --out")
 
 
 def main(args: Args, typed: set[str]) -> dict:

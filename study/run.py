@@ -112,7 +112,7 @@ class Args:
     root: str = "study/results"
     """where the runs and figures go (`<root>/<scale>/<experiment>/`); git keeps their metrics, args and figures"""
     steps: int = 0
-    """training steps per run (0: the scale's default, 520 paper / 30 cpu)"""
+    """training steps per run (0: the scale's default, 520 paper / 60 cpu)"""
     seeds: tuple[int, ...] = (1,)
     """run every variant with each of these seeds (e.g. `--seeds 1 2 3`); figures show their mean and range"""
     summary: bool = False
@@ -184,9 +184,10 @@ def finished(folder: Path) -> bool:
 def run_state(out_dir: Path, variant: str, num_steps: int, seed: int = 1,
               dry_run: bool = False) -> tuple[str, Path | None]:
     """`finished` (its metrics reached num_steps), `resumable` (a checkpoint to go on from) or `new`. A
-    folder of the variant that is neither and stopped before its first checkpoint is removed (not in a dry
-    run), so that the new run does not stand beside it: one folder per variant and seed. One that logged
-    more (its checkpoints deleted, e.g. a committed run asked for more steps) holds results: refused."""
+    folder of the variant that is neither and logged no training step (stopped at its start) is removed, not
+    in a dry run, so that the new run does not stand beside it: one folder per variant and seed. One that
+    logged steps but holds no checkpoint (killed before its first, or its checkpoints deleted, as a clone's
+    committed runs have none) holds results that cannot tell which: refused, for the user to move."""
     for folder in reversed(run_folders(out_dir, variant, seed)):
         logged = steps_logged(folder)
         if logged >= num_steps:
@@ -195,16 +196,15 @@ def run_state(out_dir: Path, variant: str, num_steps: int, seed: int = 1,
             return "resumable", folder
         if folder.is_symlink() or in_use(folder):
             continue
-        run_args = bookkeeping.read_json_object(folder / "args.json")
-        first_checkpoint = run_args.get("save_every") or run_args.get("num_steps") or 1  # save_every 0: at the end
-        if logged >= first_checkpoint or (folder / FINAL_EVAL).exists():
+        if logged > 0 or (folder / FINAL_EVAL).exists():
             raise common.ConfigError(
-                f"--steps={num_steps} is not allowed for {folder}: it logged {logged} steps and has no checkpoint to "
-                f"continue from (at most {logged}, or move the folder out of {out_dir} to run it anew)")
+                f"{folder} cannot be continued to step {num_steps}: it logged {logged} steps and holds no checkpoint; "
+                f"move it out of {out_dir} to run {variant} seed {seed} anew, or ask for at most {logged} steps "
+                f"(--steps)")
         if dry_run:
-            print(f"study: would remove {folder}, a run stopped before its first checkpoint", file=sys.stderr)
+            print(f"study: would remove {folder}, a run stopped before its first step", file=sys.stderr)
             continue
-        print(f"study: removing {folder}, a run stopped before its first checkpoint", file=sys.stderr)
+        print(f"study: removing {folder}, a run stopped before its first step", file=sys.stderr)
         shutil.rmtree(folder)
     return "new", None
 
@@ -298,7 +298,7 @@ def percent(fraction: float) -> str:
 
 def eval_step_table(out_dir: Path) -> str:
     """Held-out greedy accuracy at each evaluation step, one row per variant: the mean over its seeds, with
-    min-max and the number of seeds when there are several (a seed stopped early counts where it got to)."""
+    min-max and the number of seeds when it has several (a seed stopped early counts where it got to)."""
     variants = {name: [[r for r in rows if "charts/eval_accuracy" in r] for _, rows in runs]
                 for name, runs in variant_runs(out_dir).items()}
     steps = sorted({r["step"] for evals in variants.values() for e in evals for r in e})
@@ -308,8 +308,9 @@ def eval_step_table(out_dir: Path) -> str:
     for name, evals in variants.items():
         cells = []
         for step in steps:
-            values = [r["charts/eval_accuracy"] for e in evals for r in e if r["step"] == step]
-            cells.append("" if not values else percent(fmean(values)) if len(values) == 1 else
+            values = [r["charts/eval_accuracy"] for e in evals for r in e
+                      if r["step"] == step and math.isfinite(r["charts/eval_accuracy"])]
+            cells.append("" if not values else percent(fmean(values)) if len(evals) == 1 else
                          f"{percent(fmean(values))} ({percent(min(values))}-{percent(max(values))}, n={len(values)})")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -456,8 +457,9 @@ def main(args: Args) -> int:
     if args.summary:
         for experiment in experiments:
             out_dir = Path(args.root) / args.scale / experiment
-            print(f"# {experiment}\n\n{summary_table(out_dir)}\n\nHeld-out greedy accuracy per evaluation step\n\n"
-                  f"{eval_step_table(out_dir)}\n\n{operator_table(out_dir)}\n")
+            steps = eval_step_table(out_dir)
+            steps = f"Held-out greedy accuracy per evaluation step\n\n{steps}\n\n" if steps else ""
+            print(f"# {experiment}\n\n{summary_table(out_dir)}\n\n{steps}{operator_table(out_dir)}\n")
             if experiment in FINDINGS:
                 print(f"## The paper's findings\n\n{verdict_table(out_dir, experiment)}\n")
         return 0

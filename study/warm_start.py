@@ -23,7 +23,8 @@ that misses: the model learns to write values out; when to stop, and so which an
     python grpo.py --model runs/warm_start ...
     python grpo.py --model bundled-warm ...              # the same, made once per machine and cached
 
---out must not exist, or hold an earlier warm start (its warm_start.json): nothing else is overwritten.
+--out must not exist, or hold an earlier warm start (its warm_start.json and model files, nothing else): nothing
+else is overwritten.
 The folder is written beside --out and renamed into place under a lock.
 """
 
@@ -61,7 +62,7 @@ MIN_VALUE = 21
 class Args:
     out: str = "runs/warm_start"
     """the folder to write the warmed-up model to (a plain HF folder: --model OUT); must not exist, or hold an
-    earlier warm start"""
+    earlier warm start and nothing else"""
     model: str = common.BUNDLED_MODEL
     """the model to warm up"""
     num_steps: int = 30
@@ -143,12 +144,22 @@ def check_args(args: Args) -> None:
                    "one or more of + - * /")
 
 
-MODEL_FILES = ("*.json", "*.safetensors", "*.jinja", "*.txt", "*.model")
-"""what save_pretrained writes (weights, config, tokenizer) besides MARKER: all an earlier warm start may hold"""
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+               "model-?????-of-?????.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+               "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
+               "chat_template.json", MARKER)
+"""what save_pretrained writes (weights, config, tokenizer), and MARKER: all an earlier warm start may hold"""
 
 
 def lock_path(out: Path) -> Path:
+    """The lock beside --out that two warm starts writing the same folder take in turn."""
     return out.parent / f".{out.name}.lock"
+
+
+def check_lock(out: Path) -> None:
+    if lock_path(out).is_symlink():  # filelock 3.16 truncates what a linked lock points to
+        raise common.ConfigError(f"--out={str(out)!r} is not allowed: its lock {lock_path(out)} is a symbolic link, "
+                                 f"and a lock must be a file; remove it")
 
 
 def check_out(out: Path) -> None:
@@ -156,9 +167,7 @@ def check_out(out: Path) -> None:
     removes the folder, so anything else in it (an evaluation beside it, notes) is refused."""
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise common.ConfigError(f"--out={str(out)!r} is not allowed: it is a file or a link, not a folder")
-    if lock_path(out).is_symlink():
-        raise common.ConfigError(f"--out={str(out)!r} is not allowed: its lock {lock_path(out)} is a symbolic link, "
-                                 f"and a lock must be a file; remove it")
+    check_lock(out)
     if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
         raise common.ConfigError(f"--out={str(out)!r} is not allowed: the folder exists and was not written by "
                                  f"study/warm_start.py (no {MARKER}); name a new folder")
@@ -226,6 +235,7 @@ def publish(model, tokenizer, out: Path, record: dict) -> None:
         common.write_portable_config(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / MARKER).write_text(json.dumps(record, indent=1))
+        check_lock(out)  # again: training took minutes
         with FileLock(lock_path(out)):
             check_out(out)
             old = None

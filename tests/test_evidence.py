@@ -150,10 +150,11 @@ def test_warm_start_keeps_folders_it_did_not_write(tiny_model_dir, tmp_path):
         warm_start.main(script_args(warm_start, out=str(out), model=tiny_model_dir, num_steps=1, batch_size=2))
     assert json.loads((out / warm_start.MARKER).read_text())["num_steps"] == 1
     common.check_model_folder(str(out))
-    (out / "eval.jsonl").write_text("{}\n")  # an evaluation kept beside the model (study/results/cpu/warm_start)
-    with pytest.raises(common.ConfigError, match="--out=.*besides an earlier warm start it holds eval.jsonl"):
-        warm_start.main(script_args(warm_start, out=str(out), model=tiny_model_dir, num_steps=1, batch_size=2))
-    (out / "eval.jsonl").unlink()
+    for kept in ("eval.jsonl", "notes.txt"):  # an evaluation beside the model (study/results/cpu/warm_start), notes
+        (out / kept).write_text("{}\n")
+        with pytest.raises(common.ConfigError, match=f"--out=.*besides an earlier warm start it holds {kept}"):
+            warm_start.main(script_args(warm_start, out=str(out), model=tiny_model_dir, num_steps=1, batch_size=2))
+        (out / kept).unlink()
     lock, elsewhere = warm_start.lock_path(out), tmp_path / "elsewhere.txt"
     elsewhere.write_text("keep me")
     lock.unlink()
@@ -204,6 +205,10 @@ def test_evaluate_never_writes_through_a_link_nor_both_records_into_one_file(tmp
     same = str(tmp_path / "eval.jsonl")
     with pytest.raises(common.ConfigError, match="--details=.*another file than --out"):
         evaluate_script.check_outputs(same, str(tmp_path / "." / "eval.jsonl"))
+    (tmp_path / "eval.jsonl").write_text("{}\n")
+    (tmp_path / "hard.jsonl").hardlink_to(tmp_path / "eval.jsonl")  # one file under two names
+    with pytest.raises(common.ConfigError, match="--details=.*another file than --out"):
+        evaluate_script.check_outputs(same, str(tmp_path / "hard.jsonl"))
     evaluate_script.check_outputs(same, str(tmp_path / "eval_details.jsonl"))
     assert elsewhere.read_text() == "keep me"
 

@@ -70,7 +70,7 @@ def test_a_stopped_study_skips_finished_runs_and_resumes_unfinished_ones(tiny_mo
     for checkpoint in folder.glob("checkpoint-*"):
         shutil.rmtree(checkpoint)
     for dry_run in (True, False):
-        with pytest.raises(common.ConfigError, match=f"--steps=3 is not allowed for {folder}: it logged 2 steps"):
+        with pytest.raises(common.ConfigError, match=f"{folder} cannot be continued to step 3: it logged 2 steps"):
             study.run_commands(script_args(study, experiment="group-size", scale="cpu", root=str(tmp_path), steps=3,
                                            dry_run=dry_run), "group-size")
     assert [row["step"] for row in read_metrics(folder)[1]] == [0, 1, 2]
@@ -92,6 +92,18 @@ def test_an_orphan_variant_is_replaced_and_a_seed_is_a_run_of_its_own(tiny_model
     assert orphan.exists()  # a dry run removes nothing
     commands = study.run_commands(args, "group-size")
     assert [label for label, _ in commands] == ["G2 seed 1", "G2 seed 2"] and not orphan.exists()
+    # one that logged training steps but has no checkpoint (killed before its first, or its checkpoints deleted:
+    # nothing tells which) is kept and refused, whatever its save_every
+    for save_every in (0, 5, None):
+        killed = out_dir / "G2__1__1700000001"
+        killed.mkdir()
+        (killed / "args.json").write_text(json.dumps({"num_steps": 20, "save_every": save_every}))
+        (killed / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(4)))
+        with pytest.raises(common.ConfigError, match=f"{killed} cannot be continued to step 60: it logged 3 steps"):
+            study.run_commands(script_args(study, experiment="group-size", scale="cpu", root=str(tmp_path),
+                                           only=("G2",)), "group-size")
+        assert len(read_metrics(killed)[1]) == 4
+        shutil.rmtree(killed)
     assert [cmd[cmd.index("--seed") + 1] for _, cmd in commands] == ["1", "2"]
 
 
@@ -167,7 +179,7 @@ def test_the_summary_gives_each_evaluation_steps_mean_and_range_over_seeds(tmp_p
     fake_run(tmp_path, "ppo", 1, 0.8)
     assert study.eval_step_table(tmp_path).splitlines() == [
         "| run | step 0 | step 5 | step 10 |", "|---|---|---|---|",
-        "| grpo | 0.0% (0.0%-0.0%, n=3) | 50.0% | 65.0% (60.0%-70.0%, n=2) |",
+        "| grpo | 0.0% (0.0%-0.0%, n=3) | 50.0% (50.0%-50.0%, n=1) | 65.0% (60.0%-70.0%, n=2) |",
         "| ppo | 0.0% |  | 80.0% |"]
     assert study.eval_step_table(tmp_path / "none") == ""
     assert study.percent(72 / 128) == "56.3%" and study.percent(0.546875) == "54.7%"

@@ -181,6 +181,13 @@ def finished(folder: Path) -> bool:
     return bool(num_steps) and steps_logged(folder) >= num_steps
 
 
+def only_a_start(folder: Path) -> bool:
+    """Does the folder hold no more than a run leaves before its first step (args, the step-0 evaluation, a
+    lock, event files), each a plain file? Anything else (samples, evaluations, a link) is someone's data."""
+    return all((p.name in ("args.json", "metrics.jsonl", ".lock") or p.name.startswith("events.out.tfevents."))
+               and p.is_file() and not p.is_symlink() for p in folder.iterdir())
+
+
 def run_state(out_dir: Path, variant: str, num_steps: int, seed: int = 1,
               dry_run: bool = False) -> tuple[str, Path | None]:
     """`finished` (its metrics reached num_steps), `resumable` (a checkpoint to go on from) or `new`. A
@@ -196,7 +203,7 @@ def run_state(out_dir: Path, variant: str, num_steps: int, seed: int = 1,
             return "resumable", folder
         if folder.is_symlink() or in_use(folder):
             continue
-        if logged > 0 or (folder / FINAL_EVAL).exists():
+        if logged > 0 or not only_a_start(folder):
             raise common.ConfigError(
                 f"{folder} cannot be continued to step {num_steps}: it logged {logged} steps and holds no checkpoint; "
                 f"move it out of {out_dir} to run {variant} seed {seed} anew, or ask for at most {logged} steps "

@@ -104,6 +104,17 @@ def test_an_orphan_variant_is_replaced_and_a_seed_is_a_run_of_its_own(tiny_model
                                            only=("G2",)), "group-size")
         assert len(read_metrics(killed)[1]) == 4
         shutil.rmtree(killed)
+    # no step logged, but more than a start left there (metrics a link, or an evaluation): kept and refused too
+    for extra in ("metrics.jsonl", study.FINAL_EVAL):
+        odd = out_dir / "G2__1__1700000002"
+        odd.mkdir()
+        (odd / "args.json").write_text(json.dumps({"num_steps": 20}))
+        (tmp_path / "elsewhere.jsonl").write_text(json.dumps({"step": 0}) + "\n")
+        (odd / extra).symlink_to(tmp_path / "elsewhere.jsonl")
+        with pytest.raises(common.ConfigError, match=f"{odd} cannot be continued"):
+            study.run_commands(args, "group-size")
+        assert (odd / extra).is_symlink()
+        shutil.rmtree(odd)
     assert [cmd[cmd.index("--seed") + 1] for _, cmd in commands] == ["1", "2"]
 
 

@@ -284,6 +284,15 @@ def cache_root() -> Path:
     return root
 
 
+def file_lock(path: Path, where: str, timeout: float = -1) -> FileLock:
+    """A FileLock at `path`, refused in one line naming `where` if `path` is a link (filelock 3.16 truncates
+    what a linked lock points to). Creating it takes nothing; `with` does."""
+    if path.is_symlink():
+        raise ConfigError(f"{where} is not allowed: its lock {path} is a symbolic link, and a lock must be a file; "
+                          f"remove it")
+    return FileLock(str(path), timeout=timeout)
+
+
 def remove_path(path: Path) -> None:
     """Remove a file, folder or symlink (never what a symlink points to)."""
     if path.is_symlink() or path.is_file():

@@ -442,12 +442,8 @@ def shown(cmd: list[str]) -> str:
 
 
 def study_lock(out_dir: Path, root: str) -> FileLock:
-    """One study at a time writes an experiment's folder; a lock that is a link is refused, not followed."""
-    path = out_dir / ".study.lock"
-    if path.is_symlink():
-        raise common.ConfigError(f"--root={root!r} is not allowed: {path} is a symbolic link, and a lock must be a "
-                                 f"file; remove it")
-    return FileLock(str(path), timeout=0)
+    """One study at a time writes an experiment's folder."""
+    return common.file_lock(out_dir / ".study.lock", f"--root={root!r}", timeout=0)
 
 
 def main(args: Args) -> int:

@@ -45,7 +45,6 @@ from typing import Literal
 
 import torch
 import tyro
-from filelock import FileLock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bookkeeping  # noqa: E402
@@ -156,18 +155,12 @@ def lock_path(out: Path) -> Path:
     return out.parent / f".{out.name}.lock"
 
 
-def check_lock(out: Path) -> None:
-    if lock_path(out).is_symlink():  # filelock 3.16 truncates what a linked lock points to
-        raise common.ConfigError(f"--out={str(out)!r} is not allowed: its lock {lock_path(out)} is a symbolic link, "
-                                 f"and a lock must be a file; remove it")
-
-
 def check_out(out: Path) -> None:
     """--out may be missing, or an earlier warm start (it holds MARKER and model files only): replacing it
     removes the folder, so anything else in it (an evaluation beside it, notes) is refused."""
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise common.ConfigError(f"--out={str(out)!r} is not allowed: it is a file or a link, not a folder")
-    check_lock(out)
+    common.file_lock(lock_path(out), f"--out={str(out)!r}")  # refused now if a link, not after training
     if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
         raise common.ConfigError(f"--out={str(out)!r} is not allowed: the folder exists and was not written by "
                                  f"study/warm_start.py (no {MARKER}); name a new folder")
@@ -235,8 +228,7 @@ def publish(model, tokenizer, out: Path, record: dict) -> None:
         common.write_portable_config(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / MARKER).write_text(json.dumps(record, indent=1))
-        check_lock(out)  # again: training took minutes
-        with FileLock(lock_path(out)):
+        with common.file_lock(lock_path(out), f"--out={str(out)!r}"):  # checked again: training took minutes
             check_out(out)
             old = None
             if out.exists():

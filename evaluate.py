@@ -191,9 +191,15 @@ def writable_file(path: str, flag: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     common.require(os.path.isdir(folder), flag, path, "a file in an existing folder")
     common.require(not os.path.islink(path), flag, path, "a file, not a symbolic link")
-    common.require(not os.path.isdir(path), flag, path, "a file, not a folder")
+    common.require(not os.path.exists(path) or os.path.isfile(path), flag, path, "a regular file, not a folder, "
+                   "pipe or device")
     common.require(os.access(folder, os.W_OK) and (not os.path.exists(path) or os.access(path, os.W_OK)), flag,
                    path, "a file this user may write")
+
+
+def same_file(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b) or (
+        os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b))  # hard links too
 
 
 def check_outputs(out: str, details: str) -> None:
@@ -202,9 +208,11 @@ def check_outputs(out: str, details: str) -> None:
         if path:
             writable_file(path, flag)
     # --details replaces its file: the same file as --out would lose the records appended to it
-    same = out and details and (os.path.realpath(out) == os.path.realpath(details) or (
-        os.path.exists(out) and os.path.exists(details) and os.path.samefile(out, details)))  # hard links too
-    common.require(not same, "details", details, "another file than --out")
+    common.require(not (out and details and same_file(out, details)), "details", details, "another file than --out")
+    if details:  # it is written to <details>.tmp first (bookkeeping.write_run_file), which replaces what is there
+        tmp = details + ".tmp"
+        common.require(not os.path.lexists(tmp) and not (out and same_file(out, tmp)), "details", details,
+                       f"a file whose {os.path.basename(tmp)} does not exist (it is written there first); move that away")
 
 
 def main(args: Args, typed: set[str]) -> dict:

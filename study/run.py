@@ -19,6 +19,7 @@ where it stopped: a finished run is skipped, an unfinished one resumes from its 
 from __future__ import annotations
 
 import contextlib
+import decimal
 import fcntl
 import json
 import math
@@ -181,11 +182,13 @@ def finished(folder: Path) -> bool:
     return bool(num_steps) and steps_logged(folder) >= num_steps
 
 
-def only_a_start(folder: Path) -> bool:
-    """Does the folder hold no more than a run leaves before its first step (args, the step-0 evaluation, a
-    lock, event files), each a plain file? Anything else (samples, evaluations, a link) is someone's data."""
-    return all((p.name in ("args.json", "metrics.jsonl", ".lock") or p.name.startswith("events.out.tfevents."))
-               and p.is_file() and not p.is_symlink() for p in folder.iterdir())
+def not_a_start(folder: Path) -> list[str]:
+    """What the folder holds beyond what a run writes before its first step (its own files: args, the step-0
+    evaluation, the empty samples file, the lock, the W&B id; event files), each a plain file. Anything else
+    (an evaluation, a link) is someone's data."""
+    return sorted(p.name for p in folder.iterdir()
+                  if not ((p.name in bookkeeping.RUN_FILES or p.name.startswith("events.out.tfevents."))
+                          and p.is_file() and not p.is_symlink()))
 
 
 def run_state(out_dir: Path, variant: str, num_steps: int, seed: int = 1,
@@ -203,11 +206,15 @@ def run_state(out_dir: Path, variant: str, num_steps: int, seed: int = 1,
             return "resumable", folder
         if folder.is_symlink() or in_use(folder):
             continue
-        if logged > 0 or not only_a_start(folder):
+        if logged > 0:
             raise common.ConfigError(
                 f"{folder} cannot be continued to step {num_steps}: it logged {logged} steps and holds no checkpoint; "
                 f"move it out of {out_dir} to run {variant} seed {seed} anew, or ask for at most {logged} steps "
                 f"(--steps)")
+        if extra := not_a_start(folder):
+            raise common.ConfigError(
+                f"{folder} cannot be continued to step {num_steps}: it logged no step, but holds {', '.join(extra)} "
+                f"besides a run's own files; move it out of {out_dir} to run {variant} seed {seed} anew")
         if dry_run:
             print(f"study: would remove {folder}, a run stopped before its first step", file=sys.stderr)
             continue
@@ -300,7 +307,8 @@ def summary_table(out_dir: Path) -> str:
 
 def percent(fraction: float) -> str:
     """72/128 = 0.5625 as 56.3%, half up as people round (format() gives 56.2%, half to even)"""
-    return f"{math.floor(fraction * 1000 + 0.5) / 10:.1f}%"
+    exact = decimal.Decimal(repr(fraction)) * 100  # the float's shortest repr: 201/400 is 50.25, not 50.2499...
+    return f"{exact.quantize(decimal.Decimal('0.1'), rounding=decimal.ROUND_HALF_UP)}%"
 
 
 def eval_step_table(out_dir: Path) -> str:

@@ -8,6 +8,7 @@ import sys
 import pytest
 import tyro
 
+import bookkeeping
 from bookkeeping import flat_args
 import common
 import grpo
@@ -86,6 +87,8 @@ def test_an_orphan_variant_is_replaced_and_a_seed_is_a_run_of_its_own(tiny_model
     orphan.mkdir(parents=True)
     (orphan / "args.json").write_text(json.dumps({"script": "grpo", "exp_name": "G2", "seed": 1}))
     (orphan / "metrics.jsonl").write_text(json.dumps({"step": 0, "charts/eval_accuracy": 0.5}) + "\n")
+    (orphan / "samples.jsonl").touch()  # what the scripts' logger opens before the step-0 evaluation
+    (orphan / bookkeeping.WANDB_RUN_ID).write_text("abc123\n")
     args = script_args(study, experiment="group-size", scale="cpu", root=str(tmp_path), seeds=(1, 2), only=("G2",))
     study.run_commands(script_args(study, experiment="group-size", scale="cpu", root=str(tmp_path), only=("G2",),
                                    dry_run=True), "group-size")
@@ -111,7 +114,8 @@ def test_an_orphan_variant_is_replaced_and_a_seed_is_a_run_of_its_own(tiny_model
         (odd / "args.json").write_text(json.dumps({"num_steps": 20}))
         (tmp_path / "elsewhere.jsonl").write_text(json.dumps({"step": 0}) + "\n")
         (odd / extra).symlink_to(tmp_path / "elsewhere.jsonl")
-        with pytest.raises(common.ConfigError, match=f"{odd} cannot be continued"):
+        with pytest.raises(common.ConfigError, match=f"{odd} cannot be continued to step 60: it logged no step, "
+                                                     f"but holds {extra} besides"):
             study.run_commands(args, "group-size")
         assert (odd / extra).is_symlink()
         shutil.rmtree(odd)
@@ -194,6 +198,7 @@ def test_the_summary_gives_each_evaluation_steps_mean_and_range_over_seeds(tmp_p
         "| ppo | 0.0% |  | 80.0% |"]
     assert study.eval_step_table(tmp_path / "none") == ""
     assert study.percent(72 / 128) == "56.3%" and study.percent(0.546875) == "54.7%"
+    assert study.percent(201 / 400) == "50.3%"  # 0.5025 * 1000 is 502.49999... in floats
 
 
 def verdict_row(out_dir, experiment, finding):

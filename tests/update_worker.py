@@ -27,7 +27,10 @@ def update(algo_name, model_dir, flags, world):
     """One configuration's update from a fresh model; the weights, flattened, on the main process (else None)."""
     algo = importlib.import_module(algo_name)
     defaults = bookkeeping.flat_args(script_args(algo))
-    overrides = {k: type(defaults[k])(v) for k, v in flags.items()}  # e.g. a learning rate of 1 as a float
+    overrides = {k: float(v) if isinstance(defaults[k], float) and type(v) is int else v  # a learning rate of 1
+                 for k, v in flags.items()}
+    wrong = {k: v for k, v in overrides.items() if type(v) is not type(defaults[k])}
+    assert not wrong, f"flags of another type than their defaults: {wrong}"  # "False" is not False
     # no gradient clipping: it would hide a wrongly scaled gradient. One minibatch of one epoch unless the
     # test asks for more (the minibatches are slices of one permutation of both processes' rows)
     ppo_settings = dict(critic_learning_rate=1.0, lam=0.95, clip_value=0.05) if algo_name == "ppo" else {}

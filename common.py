@@ -734,15 +734,38 @@ def generate_task(rng: random.Random, min_numbers: int, max_numbers: int, max_va
             if not allowed:
                 break
             op = rng.choice(allowed)
-            if op == "-" and value < n:  # n - value instead: a negative draw would be rejected, under-sampling `-`
-                value, expr = n - value, f"({n} - {expr})"
-                continue
-            value = {"+": value + n, "-": value - n, "*": value * n, "/": value // n}[op]
-            expr = f"({expr} {op} {n})"
+            flipped = op == "-" and value < n
+            value = combine(value, op, n)
+            expr = f"({n} - {expr})" if flipped else f"({expr} {op} {n})"
         else:
             if 0 < value <= MAX_TASK_VALUE:
                 return {"nums": nums, "target": value, "solution": expr}
     return None
+
+
+def combine(value: int, op: str, n: int) -> int:
+    """`value op n` as generate_task applies it; `-` below n gives n - value instead (a negative draw would be
+    rejected, under-sampling `-`)."""
+    if op == "-" and value < n:
+        return n - value
+    return {"+": value + n, "-": value - n, "*": value * n, "/": value // n}[op]
+
+
+def reachable_task_keys(min_numbers: int, max_numbers: int, max_value: int, operators: str,
+                        limit: int = 200_000) -> set | None:
+    """The key of every task generate_task can return with these settings, or None when there are more
+    than `limit` number orders and operator choices to walk. generate_tasks stops drawing once it has all of
+    them: two numbers up to 20 allow 411 tasks, which would otherwise take its whole budget of draws."""
+    if sum(max_value**k * len(operators) ** (k - 1) for k in range(min_numbers, max_numbers + 1)) > limit:
+        return None
+    keys = set()
+    for count in range(min_numbers, max_numbers + 1):
+        for order in itertools.product(range(1, max_value + 1), repeat=count):
+            values = {order[0]}
+            for n in order[1:]:
+                values = {combine(v, op, n) for v in values for op in operators if op != "/" or v % n == 0}
+            keys.update((tuple(sorted(order)), v) for v in values if 0 < v <= MAX_TASK_VALUE)
+    return keys
 
 
 def task_key(task: dict) -> tuple:
@@ -763,19 +786,25 @@ def operator_class(task: dict) -> str:
 def generate_tasks(n: int, seed: int, min_numbers: int = 3, max_numbers: int = 4, max_value: int = 99,
                    operators: str = "+-*/", exclude: set | None = None, balanced: bool = False) -> list[dict]:
     """Up to n distinct solvable tasks (none whose key is in `exclude`); fewer when the settings allow
-    fewer (the draws stop after 20 n + 1000 attempts).
+    fewer (the draws stop after 20 n + 1000 attempts, or once every task the settings allow is drawn).
 
     `balanced`: equal shares of each operator class (one task of each class in turn, classes that run
     out are skipped), so that no single operator pattern answers most tasks: on two numbers and `+-`
     half the tasks are sums and half differences, and "always add" scores 50%."""
     rng, seen, tasks = random.Random(seed), set(exclude or ()), []
     classes: dict[str, list[dict]] = {}
+    reachable = reachable_task_keys(min_numbers, max_numbers, max_value, operators)
+    unseen = None if reachable is None else reachable - seen  # once empty, no draw can add a task
     for _ in range(20 * n + 1000):
+        if unseen is not None and not unseen:
+            break
         task = generate_task(rng, min_numbers, max_numbers, max_value, operators)
         if task is None:
             break
         if task_key(task) not in seen:
             seen.add(task_key(task))
+            if unseen is not None:
+                unseen.discard(task_key(task))
             tasks.append(task)
             classes.setdefault(operator_class(task), []).append(task)
             if not balanced and len(tasks) == n:

@@ -2,6 +2,7 @@
 
 import json
 import math
+import random
 import shutil
 import subprocess
 import sys
@@ -31,6 +32,30 @@ def test_generated_tasks_are_solvable_deterministic_and_held_out():
     assert test == test_other_seed  # the held-out split does not move with the seed
     held_out = {(tuple(sorted(t["nums"])), t["target"]) for t in test}
     assert not any((tuple(sorted(t["nums"])), t["target"]) in held_out for t in train)
+
+
+@pytest.mark.parametrize("settings", [(2, 2, 6, "+-*/"), (2, 3, 5, "-/"), (3, 3, 4, "+-*")])
+def test_reachable_task_keys_are_the_keys_the_generator_draws(settings):
+    rng, drawn = random.Random(0), set()
+    for _ in range(30000):
+        task = common.generate_task(rng, *settings)
+        drawn.add(common.task_key(task))
+    assert drawn == common.reachable_task_keys(*settings)  # none missing (an early stop), none extra (no stop)
+
+
+def test_the_draws_stop_once_every_task_is_drawn_and_give_the_same_tasks(monkeypatch):
+    """The CPU default rung (two numbers up to 20, `+ *`) allows 419 tasks: load_countdown's 20,000
+    training tasks would take all 401,000 draws; they stop once the 411 left after the held-out split are
+    drawn, with the very tasks the whole budget gives."""
+    cpu_rung = dict(min_numbers=2, max_numbers=2, max_value=20, operators="+*")
+    draws = []
+    generate_task = common.generate_task
+    monkeypatch.setattr(common, "generate_task", lambda *a, **k: draws.append(1) or generate_task(*a, **k))
+    train, test = common.load_countdown("generated", test_size=128, seed=3, **cpu_rung)
+    assert len(train) + len(test) == len(common.reachable_task_keys(2, 2, 20, "+*")) == 419
+    assert len(draws) < 20000  # of a budget of 20 x 128 + 1000 for the test split and 401,000 for training
+    monkeypatch.setattr(common, "reachable_task_keys", lambda *a, **k: None)  # every draw of the budget
+    assert common.load_countdown("generated", test_size=128, seed=3, **cpu_rung) == (train, test)
 
 
 def test_local_files_and_their_errors(tmp_path):

@@ -18,6 +18,7 @@ import json
 import os
 import pickle
 import random
+import secrets
 import shutil
 import signal
 import subprocess
@@ -246,26 +247,27 @@ def read_run_file(path: Path, flag: str, limit: int = RUN_FILE_LIMIT) -> str:
 
 
 def write_run_file(path: Path, lines, flag: str) -> None:
-    """Replace `path` whole with `lines` (a string or an iterable of them): written to a new `<name>.tmp`
-    (O_EXCL: never into a file or link that was there; a stale one is removed, a link never followed),
-    then renamed over `path`, which replaces a link rather than writing through it."""
-    tmp = path.with_name(path.name + ".tmp")
+    """Replace `path` whole with `lines` (a string or an iterable of them): written to a temporary file beside
+    it under a name no file had (`.<name>.<pid>.<random>.tmp`, O_EXCL: never into a file or link that was
+    there), then renamed over `path`, which replaces a link rather than writing through it. Nothing else in the
+    folder is touched (a `<name>.tmp` of the user's stays)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        remove_path(tmp)
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644),
                        "w", encoding="utf-8") as f:
             f.writelines([lines] if isinstance(lines, str) else lines)
         os.replace(tmp, path)
     except OSError as err:
-        with contextlib.suppress(OSError):
-            remove_path(tmp)
+        if not isinstance(err, FileExistsError):  # the name was taken: not ours to remove
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         raise ConfigError(f"{flag} is not allowed: cannot write {path} ({err.strerror})") from None
 
 
 def check_run_folder(run_dir: Path, flag: str) -> None:
-    """--resume, before anything loads: a symbolic link where a run writes (the folder, its files and their
-    temporary files, checkpoint-*, final/) could send a write outside the folder, so any is refused."""
-    names = [name + tmp for name in (*RUN_FILES, FINAL) for tmp in ("", ".tmp")]
+    """--resume, before anything loads: a symbolic link where a run writes (the folder, its files, checkpoint-*,
+    final/ and final.tmp/) could send a write outside the folder, so any is refused."""
+    names = [*RUN_FILES, FINAL, FINAL + ".tmp"]
     for path in [run_dir, *(run_dir / name for name in names), *sorted(run_dir.glob("checkpoint-*"))]:
         if path.is_symlink():
             raise ConfigError(f"{flag} is not allowed: {path} is a symbolic link; a run folder must hold its own files "

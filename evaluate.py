@@ -209,10 +209,6 @@ def check_outputs(out: str, details: str) -> None:
             writable_file(path, flag)
     # --details replaces its file: the same file as --out would lose the records appended to it
     common.require(not (out and details and same_file(out, details)), "details", details, "another file than --out")
-    if details:  # it is written to <details>.tmp first (bookkeeping.write_run_file), which replaces what is there
-        tmp = details + ".tmp"
-        common.require(not os.path.lexists(tmp) and not (out and same_file(out, tmp)), "details", details,
-                       f"a file whose {os.path.basename(tmp)} does not exist (it is written there first); move that away")
 
 
 def main(args: Args, typed: set[str]) -> dict:

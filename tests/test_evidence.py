@@ -211,17 +211,11 @@ def test_evaluate_never_writes_through_a_link_nor_both_records_into_one_file(tmp
     with pytest.raises(common.ConfigError, match="--details=.*another file than --out"):
         evaluate_script.check_outputs(same, str(tmp_path / "hard.jsonl"))
     evaluate_script.check_outputs(same, str(tmp_path / "eval_details.jsonl"))
-    # --details goes through <details>.tmp: what is there (a file of the user's, or --out itself) is refused
-    (tmp_path / "notes.jsonl.tmp").mkdir()
-    with pytest.raises(common.ConfigError, match="--details=.*notes.jsonl.tmp does not exist"):
-        evaluate_script.check_outputs(same, str(tmp_path / "notes.jsonl"))
-    with pytest.raises(common.ConfigError, match="--details=.*new.jsonl.tmp does not exist"):
-        evaluate_script.check_outputs(str(tmp_path / "new.jsonl.tmp"), str(tmp_path / "new.jsonl"))
     fifo = tmp_path / "pipe.jsonl"
     os.mkfifo(fifo)  # an open() of it would block, and a write would go to whoever reads it
     with pytest.raises(common.ConfigError, match="--out=.*a regular file, not a folder, pipe or device"):
         evaluate_script.check_outputs(str(fifo), "")
-    assert elsewhere.read_text() == "keep me" and (tmp_path / "notes.jsonl.tmp").is_dir()
+    assert elsewhere.read_text() == "keep me"
 
 
 def test_evaluate_reports_accuracy_per_operator_class():

@@ -93,7 +93,7 @@ def snapshot(folder: Path) -> dict:
 
 def test_resume_never_writes_through_symlinks_to_files_outside_the_run_folder(run, tmp_path):
     outside = tmp_path / "outside"
-    plant_links(run, [".lock", "args.json.tmp", "metrics.jsonl", "samples.jsonl"], outside)
+    plant_links(run, [".lock", "args.json", "metrics.jsonl", "samples.jsonl"], outside)
     before = snapshot(outside)
     with pytest.raises(common.ConfigError) as err:
         resume(run)
@@ -101,9 +101,8 @@ def test_resume_never_writes_through_symlinks_to_files_outside_the_run_folder(ru
     assert snapshot(outside) == before
 
 
-@pytest.mark.parametrize("name", [".lock", "metrics.jsonl", "samples.jsonl", "args.json", "args.json.tmp",
-                                  "metrics.jsonl.tmp", "samples.jsonl.tmp", "checkpoint-2.tmp", "checkpoint-2", "final",
-                                  "final.tmp"])
+@pytest.mark.parametrize("name", [".lock", "metrics.jsonl", "samples.jsonl", "args.json", "checkpoint-2.tmp",
+                                  "checkpoint-2", "final", "final.tmp"])
 def test_each_symlink_is_refused_and_nothing_outside_changes(name, run, tmp_path):
     outside = tmp_path / "outside"
     plant_links(run, [name], outside)
@@ -115,18 +114,21 @@ def test_each_symlink_is_refused_and_nothing_outside_changes(name, run, tmp_path
 
 
 def test_temporary_files_are_made_anew_never_written_through_a_link(run, tmp_path, tiny_model_dir):
-    """Past the check at --resume (a link made while the run goes on): the writers themselves never follow one."""
+    """Past the check at --resume (a link made while the run goes on): the writers themselves never follow one.
+    A rewritten file goes through a temporary name no file had; a link at checkpoint-<step>.tmp is removed,
+    never what it points to; links at other names are not the run's, and stay."""
     from transformers import AutoModelForCausalLM
 
     outside = tmp_path / "outside"
-    names = ["args.json.tmp", "metrics.jsonl.tmp", "samples.jsonl.tmp", "checkpoint-2.tmp"]
+    names = ["args.json.tmp", "metrics.jsonl.tmp", "checkpoint-2.tmp"]
     plant_links(run, names, outside)
     before = snapshot(outside)
     bookkeeping.RunLogger(str(run), script_args(grpo), common.Dist(), "grpo", resume_step=1).close()
     model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_model_dir), common.load_tokenizer(tiny_model_dir)
     assert bookkeeping.save_checkpoint(model, tokenizer, str(run), 2, common.Dist(), state={"step": 2}, final=True)
     assert snapshot(outside) == before
-    assert not any(os.path.lexists(run / name) for name in names)
+    assert (run / "args.json.tmp").is_symlink() and (run / "metrics.jsonl.tmp").is_symlink()
+    assert not os.path.lexists(run / "checkpoint-2.tmp") and not list(run.glob(".*.tmp"))  # nothing left over
     assert (run / "checkpoint-2" / bookkeeping.TRAINER_STATE).is_file() and (run / "args.json").is_file()
     for name in (".lock", "metrics.jsonl"):  # the files a run writes in place: refused
         (target,) = plant_links(run, [name], tmp_path / f"outside{name}").values()
@@ -134,6 +136,26 @@ def test_temporary_files_are_made_anew_never_written_through_a_link(run, tmp_pat
             (bookkeeping.RunDir(str(tmp_path), "x", 1, run / "checkpoint-2", common.Dist()) if name == ".lock" else
              bookkeeping.RunLogger(str(run), script_args(grpo), common.Dist(), "grpo"))
         assert target.read_text() == PRECIOUS
+
+
+def test_a_run_file_is_never_written_through_its_temporary_name_and_a_users_tmp_file_stays(tmp_path, monkeypatch):
+    """write_run_file (args.json, metrics.jsonl, evaluate's --details): a link at the very temporary name it
+    draws (its random part fixed here) is refused, not followed; a `<name>.tmp` of the user's is kept."""
+    path, outside = tmp_path / "details.jsonl", tmp_path / "outside.txt"
+    path.write_text("old\n")
+    outside.write_text(PRECIOUS)
+    monkeypatch.setattr(bookkeeping.secrets, "token_hex", lambda n: "feedbeef")
+    taken = tmp_path / f".details.jsonl.{os.getpid()}.feedbeef.tmp"
+    os.symlink(outside, taken)
+    with pytest.raises(common.ConfigError, match=r"--details is not allowed: cannot write .*details.jsonl \(File exists"):
+        bookkeeping.write_run_file(path, "new\n", "--details")
+    assert outside.read_text() == PRECIOUS and path.read_text() == "old\n" and taken.is_symlink()
+    monkeypatch.undo()
+    (tmp_path / "details.jsonl.tmp").write_text("the user's\n")
+    bookkeeping.write_run_file(path, ["new\n", "rows\n"], "--details")
+    assert path.read_text() == "new\nrows\n" and (tmp_path / "details.jsonl.tmp").read_text() == "the user's\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([taken.name, path.name, outside.name,
+                                                                 "details.jsonl.tmp"])
 
 
 def test_a_symlinked_run_folder_or_checkpoint_is_refused(run, tmp_path):

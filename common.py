@@ -285,8 +285,9 @@ def cache_root() -> Path:
 
 
 def file_lock(path: Path, where: str, timeout: float = -1) -> FileLock:
-    """A FileLock at `path`, refused in one line naming `where` if `path` is a link (filelock 3.16 truncates
-    what a linked lock points to). Creating it takes nothing; `with` does."""
+    """A FileLock at `path`, refused in one line naming `where` if `path` is a link. filelock >= 3.20.3 opens
+    it with O_NOFOLLOW, so a link made after this check fails the `with` and truncates nothing (older ones
+    truncate what a linked lock points to). Creating it takes nothing; `with` does."""
     if path.is_symlink():
         raise ConfigError(f"{where} is not allowed: its lock {path} is a symbolic link, and a lock must be a file; "
                           f"remove it")

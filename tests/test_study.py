@@ -131,6 +131,12 @@ def test_a_study_lock_that_is_a_link_is_refused_not_followed(tmp_path):
     with pytest.raises(common.ConfigError, match="--root=.*study.lock is a symbolic link"):
         study.study_lock(out_dir, str(tmp_path))
     assert elsewhere.read_text() == "keep me"
+    (out_dir / ".study.lock").unlink()
+    lock = study.study_lock(out_dir, str(tmp_path))  # checked: no link yet
+    (out_dir / ".study.lock").symlink_to(elsewhere)  # one made between the check and the taking
+    with pytest.raises(OSError), lock:  # filelock >= 3.20.3 opens with O_NOFOLLOW: refused, not truncated
+        pass
+    assert elsewhere.read_text() == "keep me"
 
 
 def test_unknown_variants_are_refused_for_all_experiments_too(tmp_path):

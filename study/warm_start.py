@@ -147,7 +147,20 @@ MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "mo
                "model-?????-of-?????.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
                "chat_template.json", MARKER)
-"""what save_pretrained writes (weights, config, tokenizer), and MARKER: all an earlier warm start may hold"""
+"""what save_pretrained writes (weights, config, tokenizer), and MARKER: what an earlier warm start may hold
+besides the files its MARKER lists (a tokenizer may write others, such as spiece.model)"""
+
+
+def written_files(out: Path) -> set[str]:
+    """The names MARKER lists as written with it (none for a warm start from before the list, or a MARKER that
+    is not a small JSON object)."""
+    try:
+        with os.fdopen(os.open(out / MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb") as f:  # no link, no wait
+            record = json.loads(f.read(2**20 + 1)[:2**20])
+        files = record.get("files", []) if isinstance(record, dict) else []
+        return {name for name in files if isinstance(name, str)} if isinstance(files, list) else set()
+    except (OSError, ValueError, RecursionError):
+        return set()
 
 
 def lock_path(out: Path) -> Path:
@@ -165,8 +178,9 @@ def check_out(out: Path) -> None:
         raise common.ConfigError(f"--out={str(out)!r} is not allowed: the folder exists and was not written by "
                                  f"study/warm_start.py (no {MARKER}); name a new folder")
     if out.is_dir():
+        written = written_files(out)
         others = sorted(p.name for p in out.iterdir() if p.is_symlink() or not p.is_file()
-                        or not any(fnmatch.fnmatch(p.name, pattern) for pattern in MODEL_FILES))
+                        or not (p.name in written or any(fnmatch.fnmatch(p.name, pattern) for pattern in MODEL_FILES)))
         if others:
             raise common.ConfigError(f"--out={str(out)!r} is not allowed: besides an earlier warm start it holds "
                                      f"{', '.join(others[:3])}, which replacing it would delete; name a new folder")
@@ -227,7 +241,8 @@ def publish(model, tokenizer, out: Path, record: dict) -> None:
         model.save_pretrained(tmp)
         common.write_portable_config(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / MARKER).write_text(json.dumps(record, indent=1))
+        files = sorted([*(p.name for p in tmp.iterdir()), MARKER])  # what a later warm start may replace
+        (tmp / MARKER).write_text(json.dumps({**record, "files": files}, indent=1))
         with common.file_lock(lock_path(out), f"--out={str(out)!r}"):  # checked again: training took minutes
             check_out(out)
             old = None

@@ -156,6 +156,13 @@ def test_warm_start_keeps_folders_it_did_not_write(tiny_model_dir, tmp_path):
         with pytest.raises(common.ConfigError, match=f"--out=.*besides an earlier warm start it holds {kept}"):
             warm_start.main(script_args(warm_start, out=str(out), model=tiny_model_dir, num_steps=1, batch_size=2))
         (out / kept).unlink()
+    # a file the MARKER lists as written with the model (a sentencepiece tokenizer's spiece.model): replaced
+    record = json.loads((out / warm_start.MARKER).read_text())
+    assert set(record["files"]) == {p.name for p in out.iterdir()}
+    (out / "spiece.model").write_bytes(b"\x00")
+    (out / warm_start.MARKER).write_text(json.dumps({**record, "files": [*record["files"], "spiece.model"]}))
+    warm_start.main(script_args(warm_start, out=str(out), model=tiny_model_dir, num_steps=1, batch_size=2))
+    assert not (out / "spiece.model").exists()
     lock, elsewhere = warm_start.lock_path(out), tmp_path / "elsewhere.txt"
     elsewhere.write_text("keep me")
     lock.unlink()
@@ -183,7 +190,7 @@ def test_a_failed_publish_puts_the_earlier_warm_start_back(tiny_model_dir, tmp_p
     monkeypatch.setattr(warm_start.os, "replace", disk_full_for_the_new_one)
     with pytest.raises(OSError, match="No space left"):
         warm_start.publish(model, tokenizer, out, {"num_steps": 2})
-    assert json.loads((out / warm_start.MARKER).read_text()) == {"num_steps": 1}
+    assert json.loads((out / warm_start.MARKER).read_text())["num_steps"] == 1
     common.check_model_folder(str(out))
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["warm"]
 

@@ -246,22 +246,30 @@ def read_run_file(path: Path, flag: str, limit: int = RUN_FILE_LIMIT) -> str:
         return f.read(limit + 1).decode("utf-8", errors="replace")
 
 
+TEMPORARY_NAME_EXTRA = len(".") + len(".0123abcd.tmp")
+"""bytes that write_run_file's temporary name adds to the file's: the name may take the rest of 255"""
+
+
 def write_run_file(path: Path, lines, flag: str) -> None:
     """Replace `path` whole with `lines` (a string or an iterable of them): written to a temporary file beside
-    it under a name no file had (`.<name>.<pid>.<random>.tmp`, O_EXCL: never into a file or link that was
-    there), then renamed over `path`, which replaces a link rather than writing through it. Nothing else in the
-    folder is touched (a `<name>.tmp` of the user's stays)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    it under a name no file had (`.<name>.<random>.tmp`, O_EXCL: never into a file or link that was there),
+    then renamed over `path`, which replaces a link rather than writing through it. Nothing else in the folder
+    is touched (a `<name>.tmp` of the user's stays); an error or Ctrl-C removes the temporary file."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644),
-                       "w", encoding="utf-8") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as err:  # a name taken (not ours to remove), a folder that is not writable
+        raise ConfigError(f"{flag} is not allowed: cannot write {path} ({err.strerror})") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.writelines([lines] if isinstance(lines, str) else lines)
         os.replace(tmp, path)
-    except OSError as err:
-        if not isinstance(err, FileExistsError):  # the name was taken: not ours to remove
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        raise ConfigError(f"{flag} is not allowed: cannot write {path} ({err.strerror})") from None
+    except BaseException as err:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(err, OSError):
+            raise ConfigError(f"{flag} is not allowed: cannot write {path} ({err.strerror})") from None
+        raise
 
 
 def check_run_folder(run_dir: Path, flag: str) -> None:

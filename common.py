@@ -286,8 +286,8 @@ def cache_root() -> Path:
 
 def file_lock(path: Path, where: str, timeout: float = -1) -> FileLock:
     """A FileLock at `path`, refused in one line naming `where` if `path` is a link. filelock >= 3.20.3 opens
-    it with O_NOFOLLOW, so a link made after this check fails the `with` and truncates nothing (older ones
-    truncate what a linked lock points to). Creating it takes nothing; `with` does."""
+    it with O_NOFOLLOW, so a link made after this check fails the `with` and truncates nothing (before 3.20.1
+    it truncated what a linked lock points to). Creating it takes nothing; `with` does."""
     if path.is_symlink():
         raise ConfigError(f"{where} is not allowed: its lock {path} is a symbolic link, and a lock must be a file; "
                           f"remove it")
@@ -755,8 +755,11 @@ def combine(value: int, op: str, n: int) -> int:
 def reachable_task_keys(min_numbers: int, max_numbers: int, max_value: int, operators: str,
                         limit: int = 200_000) -> set | None:
     """The key of every task generate_task can return with these settings, or None when there are more
-    than `limit` number orders and operator choices to walk. generate_tasks stops drawing once it has all of
-    them: two numbers up to 20 allow 411 tasks, which would otherwise take its whole budget of draws."""
+    than `limit` number orders and operator choices to walk (or settings generate_task does not take).
+    generate_tasks stops drawing once it has all of them: two numbers up to 20 with `+ *` allow 419 tasks, which
+    would otherwise take its whole budget of draws."""
+    if not operators or not 1 <= min_numbers <= max_numbers or max_value < 1:
+        return None
     if sum(max_value**k * len(operators) ** (k - 1) for k in range(min_numbers, max_numbers + 1)) > limit:
         return None
     keys = set()

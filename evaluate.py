@@ -209,6 +209,9 @@ def check_outputs(out: str, details: str) -> None:
             writable_file(path, flag)
     # --details replaces its file: the same file as --out would lose the records appended to it
     common.require(not (out and details and same_file(out, details)), "details", details, "another file than --out")
+    longest = 255 - bookkeeping.TEMPORARY_NAME_EXTRA  # it is written under a longer temporary name first
+    common.require(len(os.fsencode(os.path.basename(details))) <= longest, "details", details,
+                   f"a file name of at most {longest} bytes")
 
 
 def main(args: Args, typed: set[str]) -> dict:

@@ -41,11 +41,13 @@ def test_reachable_task_keys_are_the_keys_the_generator_draws(settings):
         task = common.generate_task(rng, *settings)
         drawn.add(common.task_key(task))
     assert drawn == common.reachable_task_keys(*settings)  # none missing (an early stop), none extra (no stop)
+    # settings generate_task does not take are not enumerated (no operators would walk every order for nothing)
+    assert common.reachable_task_keys(3, 4, 99, "") is common.reachable_task_keys(3, 2, 9, "+") is None
 
 
 def test_the_draws_stop_once_every_task_is_drawn_and_give_the_same_tasks(monkeypatch):
     """The CPU default rung (two numbers up to 20, `+ *`) allows 419 tasks: load_countdown's 20,000
-    training tasks would take all 401,000 draws; they stop once the 411 left after the held-out split are
+    training tasks would take all 401,000 draws; they stop once the 291 left after the 128 held out are
     drawn, with the very tasks the whole budget gives."""
     cpu_rung = dict(min_numbers=2, max_numbers=2, max_value=20, operators="+*")
     draws = []

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import re
+import shutil
 from fractions import Fraction
 from pathlib import Path
 import subprocess
@@ -163,6 +164,17 @@ def test_warm_start_keeps_folders_it_did_not_write(tiny_model_dir, tmp_path):
     (out / warm_start.MARKER).write_text(json.dumps({**record, "files": [*record["files"], "spiece.model"]}))
     warm_start.main(script_args(warm_start, out=str(out), model=tiny_model_dir, num_steps=1, batch_size=2))
     assert not (out / "spiece.model").exists()
+    record = json.loads((out / warm_start.MARKER).read_text())
+    (out / warm_start.MARKER).write_text(json.dumps({**record, "files": [*record["files"], "notes", "link.txt"]}))
+    (out / "notes").mkdir()  # listed, but a folder or a link is never the model's: refused
+    (out / "notes" / "todo.txt").write_text("keep me")
+    with pytest.raises(common.ConfigError, match="--out=.*besides an earlier warm start it holds notes"):
+        warm_start.main(script_args(warm_start, out=str(out), model=tiny_model_dir, num_steps=1, batch_size=2))
+    shutil.rmtree(out / "notes")
+    (out / "link.txt").symlink_to(tmp_path / "precious" / "notes.txt")
+    with pytest.raises(common.ConfigError, match="--out=.*besides an earlier warm start it holds link.txt"):
+        warm_start.main(script_args(warm_start, out=str(out), model=tiny_model_dir, num_steps=1, batch_size=2))
+    (out / "link.txt").unlink()
     lock, elsewhere = warm_start.lock_path(out), tmp_path / "elsewhere.txt"
     elsewhere.write_text("keep me")
     lock.unlink()
@@ -218,6 +230,9 @@ def test_evaluate_never_writes_through_a_link_nor_both_records_into_one_file(tmp
     with pytest.raises(common.ConfigError, match="--details=.*another file than --out"):
         evaluate_script.check_outputs(same, str(tmp_path / "hard.jsonl"))
     evaluate_script.check_outputs(same, str(tmp_path / "eval_details.jsonl"))
+    with pytest.raises(common.ConfigError, match="--details=.*a file name of at most 241 bytes"):
+        evaluate_script.check_outputs("", str(tmp_path / ("d" * 238 + ".jsonl")))  # its temporary name: too long
+    evaluate_script.check_outputs("", str(tmp_path / ("d" * 235 + ".jsonl")))
     fifo = tmp_path / "pipe.jsonl"
     os.mkfifo(fifo)  # an open() of it would block, and a write would go to whoever reads it
     with pytest.raises(common.ConfigError, match="--out=.*a regular file, not a folder, pipe or device"):

@@ -145,7 +145,7 @@ def test_a_run_file_is_never_written_through_its_temporary_name_and_a_users_tmp_
     path.write_text("old\n")
     outside.write_text(PRECIOUS)
     monkeypatch.setattr(bookkeeping.secrets, "token_hex", lambda n: "feedbeef")
-    taken = tmp_path / f".details.jsonl.{os.getpid()}.feedbeef.tmp"
+    taken = tmp_path / ".details.jsonl.feedbeef.tmp"
     os.symlink(outside, taken)
     with pytest.raises(common.ConfigError, match=r"--details is not allowed: cannot write .*details.jsonl \(File exists"):
         bookkeeping.write_run_file(path, "new\n", "--details")
@@ -156,6 +156,14 @@ def test_a_run_file_is_never_written_through_its_temporary_name_and_a_users_tmp_
     assert path.read_text() == "new\nrows\n" and (tmp_path / "details.jsonl.tmp").read_text() == "the user's\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([taken.name, path.name, outside.name,
                                                                  "details.jsonl.tmp"])
+
+    def interrupted():  # Ctrl-C while the rows are written: the file is as it was, no temporary file is left
+        yield "half\n"
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        bookkeeping.write_run_file(path, interrupted(), "--details")
+    assert path.read_text() == "new\nrows\n" and not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")
+                                                       and p.name not in (taken.name, "details.jsonl.tmp")]
 
 
 def test_a_symlinked_run_folder_or_checkpoint_is_refused(run, tmp_path):

@@ -52,7 +52,7 @@ def test_a_checkpoint_under_fsdp_is_sharded_and_nothing_is_gathered(runs):
     algo, whole, parts = runs
     for run_dir in (whole, parts):
         assert [p.name for p in bookkeeping.complete_checkpoints(run_dir)] == ["checkpoint-2", "checkpoint-4"]
-        assert not glob.glob(os.path.join(run_dir, "*.tmp"))
+        assert not glob.glob(os.path.join(run_dir, "*.tmp"), include_hidden=True)
         for checkpoint in bookkeeping.complete_checkpoints(run_dir):
             names = set(os.listdir(checkpoint))
             assert {"config.json", "generation_config.json", "tokenizer.json", "trainer_state.pt"} <= names

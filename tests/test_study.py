@@ -1,5 +1,6 @@
 """study/: every command of the paper's study is a valid configuration, and a stopped study resumes."""
 
+import errno
 import importlib
 import importlib.util
 import shutil
@@ -134,8 +135,9 @@ def test_a_study_lock_that_is_a_link_is_refused_not_followed(tmp_path):
     (out_dir / ".study.lock").unlink()
     lock = study.study_lock(out_dir, str(tmp_path))  # checked: no link yet
     (out_dir / ".study.lock").symlink_to(elsewhere)  # one made between the check and the taking
-    with pytest.raises(OSError), lock:  # filelock >= 3.20.3 opens with O_NOFOLLOW: refused, not truncated
+    with pytest.raises(OSError) as err, lock:  # filelock >= 3.20.1 opens it with O_NOFOLLOW: refused, not truncated
         pass
+    assert err.value.errno == errno.ELOOP, err.value  # not a timeout (filelock's Timeout is an OSError too)
     assert elsewhere.read_text() == "keep me"
 
 

@@ -14,6 +14,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = str(max(1, (os.cpu_count() or 2) // WORKERS))
+"""torch threads per test process: with `pytest -n 2` on 2 cores, one each (two processes spinning two threads
+each on two cores ran the compute-heavy tests 2-4 times slower)"""
+if WORKERS > 1:
+    import torch
+
+    torch.set_num_threads(int(THREADS))
 
 
 def make_tiny_model_dir(path: Path, seed: int = 0, hidden_size: int = 64, layers: int = 2) -> str:
@@ -143,14 +151,14 @@ def synthetic_rollout(batch_size: int = 8, prompt_len: int = 6, completion_len: 
 
 
 # ---- Running the scripts as a user does -------------------------------------------------------------
-def subprocess_env(threads: str = "2") -> dict:
+def subprocess_env(threads: str = THREADS) -> dict:
     """This environment without torchrun's variables (a test may run under one), with a thread count."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = threads
     return env
 
 
-def run_script(args, timeout=600, torchrun=False, threads="2"):
+def run_script(args, timeout=600, torchrun=False, threads=THREADS):
     """`python SCRIPT ARGS...` (or under `torchrun --nproc_per_node=2`) from the repository root."""
     prefix = [sys.executable, "-m", "torch.distributed.run", "--standalone",
               "--nproc_per_node=2"] if torchrun else [sys.executable]

@@ -10,7 +10,7 @@ import sys
 import pytest
 from transformers import GenerationConfig
 
-from conftest import ROOT, make_tiny_model_dir, tiny_flags
+from conftest import ROOT, THREADS, make_tiny_model_dir, tiny_flags
 from conftest import read_metrics as metrics
 from conftest import run_script as run
 
@@ -34,7 +34,7 @@ def test_engine_matches_hf_and_follows_weight_syncs(bundled_dir, tmp_path):
             os.symlink(os.path.join(bundled_dir, name), model_dir / name)
     GenerationConfig(repetition_penalty=1.3, top_k=5, top_p=0.8, temperature=0.3,
                      do_sample=True).save_pretrained(model_dir)
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "OMP_NUM_THREADS": THREADS}
     result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "vllm_worker.py"), str(model_dir),
                              str(tmp_path)], capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stderr[-3000:]

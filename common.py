@@ -805,10 +805,11 @@ def generate_tasks(n: int, seed: int, min_numbers: int = 3, max_numbers: int = 4
         task = generate_task(rng, min_numbers, max_numbers, max_value, operators)
         if task is None:
             break
-        if task_key(task) not in seen:
-            seen.add(task_key(task))
+        key = task_key(task)
+        if key not in seen:
+            seen.add(key)
             if unseen is not None:
-                unseen.discard(task_key(task))
+                unseen.discard(key)
             tasks.append(task)
             classes.setdefault(operator_class(task), []).append(task)
             if not balanced and len(tasks) == n:

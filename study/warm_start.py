@@ -153,14 +153,9 @@ besides the files its MARKER lists (a tokenizer may write others, such as spiece
 
 def written_files(out: Path) -> set[str]:
     """The names MARKER lists as written with it (none for a warm start from before the list, or a MARKER that
-    is not a small JSON object)."""
-    try:
-        with os.fdopen(os.open(out / MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb") as f:  # no link, no wait
-            record = json.loads(f.read(2**20 + 1)[:2**20])
-        files = record.get("files", []) if isinstance(record, dict) else []
-        return {name for name in files if isinstance(name, str)} if isinstance(files, list) else set()
-    except (OSError, ValueError, RecursionError):
-        return set()
+    is not a JSON object a run could have written: read_json_object follows no link and waits on no FIFO)."""
+    files = bookkeeping.read_json_object(out / MARKER).get("files")
+    return {name for name in files if isinstance(name, str)} if isinstance(files, list) else set()
 
 
 def lock_path(out: Path) -> Path:

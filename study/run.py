@@ -277,11 +277,12 @@ def variant_runs(out_dir: Path) -> dict[str, list[tuple[Path, list[dict]]]]:
 def summary_table(out_dir: Path) -> str:
     """One markdown row per variant under out_dir, over its seeds (mean, and min-max when there are several):
     held-out greedy accuracy at step 0 and at the end beside the best constant answer and a uniform guess on
-    the same tasks, the final gain over the best constant, the last step's entropy and length, seconds per
+    the same tasks, the final gain over the best constant, the share of groups whose rewards were all equal
+    (zero advantage: no gradient from them) over all steps, the last step's entropy and length, seconds per
     step and wall time (logged)."""
     lines = ["| run | seeds | steps | best constant | uniform guess | acc step 0 | final acc | min-max | "
-             "gain over constant | entropy | length | s/step | wall (per seed) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "gain over constant | equal-reward groups | entropy | length | s/step | wall (per seed) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     variants: dict[str, list[list[dict]]] = {}
     for name, runs in variant_runs(out_dir).items():
         evaluated = [rows for _, rows in runs
@@ -295,10 +296,12 @@ def summary_table(out_dir: Path) -> str:
         guess = evals[0][0].get("charts/eval_uniform_guess", float("nan"))
         train = [[r for r in rows if r["step"] >= 1] for rows in runs]
         step_times = sorted(r["time/step"] for t in train for r in t)
+        equal = [r["charts/zero_std_fraction"] for t in train for r in t if "charts/zero_std_fraction" in r]
         lines.append(
             f"| {name} | {len(runs)} | {min(t[-1]['step'] for t in train)} | {constant:.3f} | {guess:.3f} | "
             f"{fmean([e[0]['charts/eval_accuracy'] for e in evals]):.3f} | {fmean(final):.3f} | "
             f"{min(final):.3f}-{max(final):.3f} | {fmean(final) - constant:+.3f} | "
+            f"{f'{fmean(equal):.3f}' if equal else '-'} | "
             f"{fmean([t[-1].get('losses/entropy', float('nan')) for t in train]):.3f} | "
             f"{fmean([t[-1]['charts/response_length'] for t in train]):.1f} | {step_times[len(step_times) // 2]:.0f} | "
             f"{fmean([wall_minutes(rows) for rows in runs]):.0f} min |")

@@ -195,6 +195,22 @@ def fake_run(out_dir, variant, seed, value, metric="charts/eval_accuracy", num_s
     (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
+def test_the_summary_gives_the_share_of_groups_that_carried_no_gradient(tmp_path):
+    """GRPO and DAPO log each step's share of groups with equal rewards; the summary gives its mean over every
+    step of every seed (0.25 and 0.75 in seed 1, 1.0 in seed 2: 2/3), and "-" for PPO, which has no groups."""
+    import json
+
+    for variant, seed, shares in (("grpo", 1, (0.25, 0.75)), ("grpo", 2, (1.0,)), ("ppo", 1, ())):
+        fake_run(tmp_path, variant, seed, 0.5)
+        rows = [{"step": step, "time/step": 1.0, "charts/response_length": 30.0, "charts/zero_std_fraction": share}
+                for step, share in enumerate(shares, start=11)]
+        with open(tmp_path / f"{variant}__{seed}__1700000000" / "metrics.jsonl", "a") as metrics:
+            metrics.writelines(json.dumps(row) + "\n" for row in rows)
+    header, _, grpo_row, ppo_row = study.summary_table(tmp_path).splitlines()
+    column = header.split(" | ").index("equal-reward groups")
+    assert grpo_row.split(" | ")[column] == "0.667" and ppo_row.split(" | ")[column] == "-"
+
+
 def test_the_summary_gives_each_evaluation_steps_mean_and_range_over_seeds(tmp_path):
     fake_run(tmp_path, "grpo", 1, 0.6)
     fake_run(tmp_path, "grpo", 2, 0.7)

@@ -23,7 +23,7 @@ def test_a_runs_checkpoint_scores_as_its_final_evaluation(tiny_model_dir, tmp_pa
     """The run's own data settings (not evaluate.py's defaults), its newest checkpoint, the same prompt:
     greedy decoding then gives exactly the numbers the run logged at its last step."""
     tasks = dict(test_size=6, max_new_tokens=12, task_min_numbers=2, task_max_numbers=2, task_max_value=20,
-                 task_operators="+", prompt_template="base")
+                 task_operators="+*", prompt_template="base")
     args = tiny_args(grpo, model=tiny_model_dir, num_steps=2, eval_size=6, save_every=1, keep_checkpoints=0,
                      runs_dir=str(tmp_path), **tasks)
     out = grpo.train(args)
@@ -38,6 +38,15 @@ def test_a_runs_checkpoint_scores_as_its_final_evaluation(tiny_model_dir, tmp_pa
     assert json.loads((tmp_path / "eval.jsonl").read_text()) == scored
     details = [json.loads(line) for line in (tmp_path / "details.jsonl").read_text().splitlines()]
     assert len(details) == 6 and sum(d["correct"] for d in details) / 6 == scored["greedy_accuracy"]
+    # the baselines beside the accuracy are the run's own on the same tasks (3 sums, 3 products: no constant
+    # answer scores more than half), and the per-class table counts every task once
+    assert scored["best_constant"] == out["charts/eval_best_constant"] <= 0.5
+    assert scored["uniform_guess"] == out["charts/eval_uniform_guess"]
+    assert scored["gain_over_best_constant"] == scored["greedy_accuracy"] - scored["best_constant"]
+    classes = scored["by_operator_class"]
+    assert {cls: entry["tasks"] for cls, entry in classes.items()} == {"+": 3, "*": 3}
+    assert sum(entry["accuracy"] * entry["tasks"] for entry in classes.values()) == pytest.approx(
+        sum(d["correct"] for d in details))
     # the step-0 row of the run is the starting model: evaluating that model gives the same numbers
     base = run_script(["evaluate.py", tiny_model_dir, *as_flags(**tasks)])
     assert base.returncode == 0, base.stderr[-3000:]

@@ -351,6 +351,17 @@ def code_version() -> dict:
     return {"commit": commit or None, "dirty": bool(changed) if commit else None}
 
 
+WARM_START_RECORD = "warm_start.json"
+"""what study/warm_start.py writes beside the model it makes: its settings, code version and files"""
+
+
+def model_source(model_path: str) -> dict:
+    """Where a run's starting weights came from, for args.json: the local folder, and when study/warm_start.py
+    made it, that warm start's settings and code version (its record without the list of files)."""
+    record = read_json_object(Path(model_path) / WARM_START_RECORD)
+    return {"path": model_path, **({"warm_start": {k: v for k, v in record.items() if k != "files"}} if record else {})}
+
+
 def read_json_object(path: Path) -> dict:
     """A JSON object from a file, or {} when it is missing or not one (a link, a FIFO, a huge file: none is read)."""
     try:
@@ -365,7 +376,7 @@ class RunLogger:
     continue a run whose last checkpoint is that step, dropping what was logged after it, in the same W&B run."""
 
     def __init__(self, run_dir: str, args, world: Dist, script: str, track: bool = False, project: str = "rl-countdown",
-                 resume_step: int | None = None):
+                 resume_step: int | None = None, model_path: str | None = None):
         self.run_dir, self.enabled = Path(run_dir), world.is_main
         self.writer, self._wandb = None, None
         if not self.enabled:
@@ -388,7 +399,8 @@ class RunLogger:
                 _truncate_after(self.run_dir / name, resume_step, flag)
         # with the script's name (--resume refuses another script's run) and the data's fingerprint
         write_run_file(self.run_dir / "args.json", json.dumps(
-            {"script": script, **config, "data_fingerprint": data, "code_versions": versions}, indent=2, default=str),
+            {"script": script, **config, "data_fingerprint": data, "code_versions": versions,
+             **({"model_source": model_source(model_path)} if model_path else {})}, indent=2, default=str),
             flag)
         from torch.utils.tensorboard import SummaryWriter
 

@@ -377,7 +377,7 @@ def bundled_model_dir() -> str:
 
 def warm_started_model_dir() -> str:
     """The bundled model after study/warm_start.py's format-only warm start with its defaults, made once per
-    machine (about 4 minutes on 2 cores) and cached beside the bundled model; the warm start locks and
+    machine (about 7 minutes on 2 cores) and cached beside the bundled model; the warm start locks and
     renames the folder itself, so concurrent processes (torchrun) build it once."""
     target = cache_root() / "SmolLM2-135M-Instruct-warm-start"
     if not (target / "config.json").exists():

@@ -246,7 +246,7 @@ def main(args: Args, typed: set[str]) -> dict:
     result = {"target": args.target, "model": model_path, "step": step, "tasks": len(tasks),
               "dataset": args.dataset, "max_new_tokens": args.max_new_tokens,
               "greedy_accuracy": greedy["charts/eval_accuracy"], "format_rate": greedy["charts/eval_format_rate"],
-              "response_length": greedy["charts/eval_response_length"]}
+              "response_length": greedy["charts/eval_response_length"], "code_version": bookkeeping.code_version()}
     if "charts/eval_best_constant" in greedy:  # what answering without reading the target scores
         result.update(best_constant=greedy["charts/eval_best_constant"],
                       best_constant_template=common.constant_baselines(tasks)["best_constant_template"],

@@ -27,7 +27,7 @@ DEFAULT_METRICS = ["charts/eval_accuracy", "charts/accuracy", "charts/reward", "
                    "losses/entropy", "losses/kl_ref", "losses/clipfrac"]
 # flags that name or place a run, or what it writes, rather than change its training: never used as labels
 NOT_LABELS = {"exp_name", "runs_dir", "resume", "track", "wandb_project", "wandb_entity", "eval_every", "save_every",
-              "keep_checkpoints", "log_samples_every", "final_dtype", "script", "code_versions"}
+              "keep_checkpoints", "log_samples_every", "final_dtype", "script", "code_versions", "model_source"}
 NOT_GROUPED = (NOT_LABELS - {"script"}) | {"seed"}  # runs differing only in these are seeds of one setting
 TASK_FLAGS = ("task_min_numbers", "task_max_numbers", "task_max_value", "task_operators")
 TITLES = {"charts/eval_accuracy": "Held-out greedy accuracy", "charts/accuracy": "Training accuracy",

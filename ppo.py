@@ -385,7 +385,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
                                   str(checkpoint or model_path), world)
     run_dir = run.create()  # a new run's folder, made once every input has loaded
     logger = bookkeeping.RunLogger(run_dir, args, world, SCRIPT, args.log.track, args.log.wandb_project,
-                                   state and state["step"])
+                                   state and state["step"], model_path)
 
     # What a checkpoint holds besides the weights; a resumed run restores it and continues as if never stopped
     sampler = common.PromptSampler(train_tasks, args.seed)

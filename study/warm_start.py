@@ -19,7 +19,7 @@ random expressions, each with its exact value, and the answer is the last one tr
 are is drawn before any is written, so a try that hits the target is followed by another as often as one
 that misses: the model learns to write values out; when to stop, and so which answer, is left to RL.
 
-    python study/warm_start.py --out runs/warm_start     # ~4 min on 2 CPU cores
+    python study/warm_start.py --out runs/warm_start     # about 7 min on 2 CPU cores
     python grpo.py --model runs/warm_start ...
     python grpo.py --model bundled-warm ...              # the same, made once per machine and cached
 
@@ -51,8 +51,9 @@ import bookkeeping  # noqa: E402
 import common  # noqa: E402
 import countdown_reward  # noqa: E402
 
-MARKER = "warm_start.json"
-"""the file that says a folder was written by this script (its settings); only such a folder is replaced"""
+MARKER = bookkeeping.WARM_START_RECORD
+"""the file that says a folder was written by this script (its settings, code version and files); only such a
+folder is replaced, and a run started from the folder copies it into its args.json (`model_source`)"""
 MIN_VALUE = 21
 """the examples' numbers are drawn from 21..99: no CPU rung (numbers up to 20) shares a task with them"""
 
@@ -219,7 +220,8 @@ def main(args: Args) -> str:
         print(f"step {step + 1}/{args.num_steps}  loss {loss.item():.3f}  {time.perf_counter() - start:.0f} s",
               flush=True)
     seconds = round(time.perf_counter() - start)
-    publish(model, tokenizer, out, {**asdict(args), "examples": len(data), "seconds": seconds})
+    publish(model, tokenizer, out, {**asdict(args), "examples": len(data), "seconds": seconds,
+                                    "code_version": bookkeeping.code_version()})
     print(f"warm-started model: {args.out}  (use --model {args.out})")
     return args.out
 

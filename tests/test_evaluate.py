@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+import bookkeeping
 import evaluate
 import grpo
 from conftest import as_flags, read_metrics, run_script, tiny_args
@@ -36,6 +37,7 @@ def test_a_runs_checkpoint_scores_as_its_final_evaluation(tiny_model_dir, tmp_pa
     assert scored["format_rate"] == out["charts/eval_format_rate"]
     assert scored["response_length"] == pytest.approx(out["charts/eval_response_length"], abs=1e-9)
     assert json.loads((tmp_path / "eval.jsonl").read_text()) == scored
+    assert scored["code_version"] == bookkeeping.code_version()  # the commit that scored it
     details = [json.loads(line) for line in (tmp_path / "details.jsonl").read_text().splitlines()]
     assert len(details) == 6 and sum(d["correct"] for d in details) / 6 == scored["greedy_accuracy"]
     # the baselines beside the accuracy are the run's own on the same tasks (3 sums, 3 products: no constant

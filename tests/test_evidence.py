@@ -252,14 +252,28 @@ def test_evaluate_reports_accuracy_per_operator_class():
 
 
 def test_a_run_records_its_code_version_and_ppo_logs_kl_to_the_reference(tiny_model_dir, tmp_path):
+    """args.json names the commit, and the warm start the run began from: its settings and the commit that made
+    it (what --model=bundled-warm resolves to is a cached folder whose name says neither)."""
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = ppo.train(tiny_args(ppo, model=tiny_model_dir, group_size=1, eval_size=2, test_size=4,
-                                 runs_dir=str(tmp_path)))
+    warm = tmp_path / "warm"
+    warm_start.main(script_args(warm_start, out=str(warm), model=tiny_model_dir, num_steps=1, batch_size=2, seed=7))
+    made = json.loads((warm / warm_start.MARKER).read_text())
+    assert made["code_version"]["commit"] == head and made["seed"] == 7
+    result = ppo.train(tiny_args(ppo, model=str(warm), group_size=1, eval_size=2, test_size=4,
+                                 runs_dir=str(tmp_path / "runs")))
     saved = json.loads(open(f"{result['run_dir']}/args.json").read())
     (version,) = saved["code_versions"]
     assert version["commit"] == head and isinstance(version["dirty"], bool)
-    _, rows = read_metrics(tmp_path)
+    assert Path(saved["model_source"]["path"]).resolve() == warm.resolve()
+    assert saved["model_source"]["warm_start"] == {k: v for k, v in made.items() if k != "files"}
+    _, rows = read_metrics(tmp_path / "runs")
     assert rows[-1]["losses/kl_ref"] >= 0 and "charts/eval_best_constant" in rows[0]
+    # a model that no warm start made records its folder alone
+    result = grpo.train(tiny_args(grpo, model=tiny_model_dir, num_steps=1, eval_size=2, test_size=4,
+                                  runs_dir=str(tmp_path / "plain")))
+    saved = json.loads(open(f"{result['run_dir']}/args.json").read())
+    assert Path(saved["model_source"]["path"]).resolve() == Path(tiny_model_dir).resolve()
+    assert "warm_start" not in saved["model_source"]
 
 
 def test_the_code_version_is_dirty_for_code_changes_only(tmp_path):

@@ -137,10 +137,12 @@ def test_seeds_of_one_setting_are_one_mean_line_with_a_min_max_band(tmp_path):
 
 
 def test_a_seed_run_by_newer_code_with_more_logging_flags_is_still_a_seed_of_the_setting(tmp_path):
-    """Flags that only say where or how a run's outputs are written (W&B entity, the dtype of final/) were added
-    after the committed study runs; a new seed that records them belongs to the same mean line and band."""
+    """Flags that only say where or how a run's outputs are written (W&B entity, the dtype of final/) and the
+    record of where its weights came from (a local path) were added after the committed study runs; a new seed
+    that records them belongs to the same mean line and band."""
     write_run(tmp_path, "grpo__1", {**GRPO, "seed": 1}, [{"step": 0, "charts/reward": 0.1}])
-    write_run(tmp_path, "grpo__2", {**GRPO, "seed": 2, "wandb_entity": "", "final_dtype": "compute"},
+    write_run(tmp_path, "grpo__2", {**GRPO, "seed": 2, "wandb_entity": "", "final_dtype": "compute",
+                                    "model_source": {"path": "/cache/warm-start", "warm_start": {"seed": 1}}},
               [{"step": 0, "charts/reward": 0.3}])
     assert plot.labels(plot.group_by_seed(plot.find_runs([str(tmp_path)]))) == ["grpo (2 seeds)"]
     write_run(tmp_path, "grpo__3", {**GRPO, "seed": 3, "learning_rate": 1e-5}, [{"step": 0, "charts/reward": 0.2}])

@@ -77,6 +77,29 @@ def test_held_out_splits_are_balanced_so_no_constant_answer_does_well(operators,
     assert max(train_shares.values()) - min(train_shares.values()) < 0.1 * len(train)
 
 
+def test_study_readme_rung_table_is_what_each_ladder_rungs_held_out_split_scores():
+    """study/README.md's rung table (split, best constant, uniform guess) is recomputed from the ladder's own
+    task flags over the scripts' defaults, on the fixed 128-task held-out split: the docs cannot drift."""
+    study = load("run")
+    table = (ROOT / "study" / "README.md").read_text().split("| rung | `--task-*` |", 1)[1].split("\n\n", 1)[0]
+    rows = {cells[0].split()[0]: cells for cells in (  # "2 (the CPU rung)" is rung 2
+        [c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:])}
+    rungs = {name.split("-")[0].removeprefix("rung"): flags for name, _, flags in study.EXPERIMENTS["ladder"][1]}
+    assert set(rows) == set(rungs)
+    for rung, flags in rungs.items():
+        task = script_args(grpo, **flags).task
+        _, test = common.load_countdown("generated", 128, seed=1, train_size=1, min_numbers=task.task_min_numbers,
+                                        max_numbers=task.task_max_numbers, max_value=task.task_max_value,
+                                        operators=task.task_operators)
+        baselines = common.constant_baselines(test)
+        shares = sorted(collections.Counter(map(common.operator_class, test)).values(), reverse=True)
+        written = [float(cell.split()[0].rstrip("%")) for cell in rows[rung][3:5]]  # "100%", "33.6% (`n1 + ...`)"
+        computed = [float(study.percent(baselines[key]).rstrip("%")) for key in ("best_constant", "uniform_guess")]
+        assert written == computed, rung
+        if len(shares) <= 3:  # the split column counts each class (`43 / 42 / 43`, `64 sums, 64 products`)
+            assert sorted(map(int, re.findall(r"\d+", rows[rung][2])), reverse=True) == shares, rung
+
+
 def test_every_evaluation_reports_its_baselines(tiny_model_dir):
     tokenizer = common.load_tokenizer(tiny_model_dir)
     model = common.load_model(tiny_model_dir, "cpu", trainable=False)

@@ -314,15 +314,34 @@ def percent(fraction: float) -> str:
     return f"{exact.quantize(decimal.Decimal('0.1'), rounding=decimal.ROUND_HALF_UP)}%"
 
 
-def eval_step_table(out_dir: Path) -> str:
+def eval_step_table(out_dir: Path, per_seed: bool = False) -> str:
     """Held-out greedy accuracy at each evaluation step, one row per variant: the mean over its seeds, with
-    min-max and the number of seeds when it has several (a seed stopped early counts where it got to)."""
+    min-max and the number of seeds when it has several (a seed stopped early counts where it got to). With
+    `per_seed`, one row per run instead, and below them each variant's baselines on the same tasks."""
+    runs_of = variant_runs(out_dir)
     variants = {name: [[r for r in rows if "charts/eval_accuracy" in r] for _, rows in runs]
-                for name, runs in variant_runs(out_dir).items()}
+                for name, runs in runs_of.items()}
     steps = sorted({r["step"] for evals in variants.values() for e in evals for r in e})
     if not steps:
         return ""
     lines = ["| run | " + " | ".join(f"step {step}" for step in steps) + " |", "|---|" + "---|" * len(steps)]
+    if per_seed:
+        baselines = {}
+        for name, runs in runs_of.items():
+            for folder, rows in runs:
+                evals = {r["step"]: r for r in rows if "charts/eval_accuracy" in r}
+                cells = [percent(evals[step]["charts/eval_accuracy"]) if step in evals else "" for step in steps]
+                lines.append(f"| {name}, seed {folder.name.split('__')[1]} | " + " | ".join(cells) + " |")
+                first = next(iter(evals.values()), {})
+                for key, label in (("charts/eval_best_constant", "best constant answer"),
+                                   ("charts/eval_uniform_guess", "uniform guess")):
+                    if key in first:
+                        baselines.setdefault((label, first[key]), []).append(name)
+        # one row per baseline value, best constants first: the variants evaluated on the same tasks share it
+        for (label, value), names in sorted(baselines.items(), key=lambda kv: kv[0][0]):
+            blanks = " |" * (len(steps) - 1)  # the same tasks at every step
+            lines.append(f"| {label} ({', '.join(dict.fromkeys(names))}) | {percent(value)} |{blanks}")
+        return "\n".join(lines)
     for name, evals in variants.items():
         cells = []
         for step in steps:
@@ -472,7 +491,8 @@ def main(args: Args) -> int:
         for experiment in experiments:
             out_dir = Path(args.root) / args.scale / experiment
             steps = eval_step_table(out_dir)
-            steps = f"Held-out greedy accuracy per evaluation step\n\n{steps}\n\n" if steps else ""
+            steps = (f"Held-out greedy accuracy per evaluation step, each run\n\n{eval_step_table(out_dir, True)}\n\n"
+                     f"and per variant\n\n{steps}\n\n") if steps else ""
             print(f"# {experiment}\n\n{summary_table(out_dir)}\n\n{steps}{operator_table(out_dir)}\n")
             if experiment in FINDINGS:
                 print(f"## The paper's findings\n\n{verdict_table(out_dir, experiment)}\n")

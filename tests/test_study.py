@@ -211,6 +211,22 @@ def test_the_summary_gives_the_share_of_groups_that_carried_no_gradient(tmp_path
     assert grpo_row.split(" | ")[column] == "0.667" and ppo_row.split(" | ")[column] == "-"
 
 
+def test_the_summary_gives_each_runs_accuracy_per_step_above_its_baselines(tmp_path):
+    """One row per run, then one row per baseline value naming the variants evaluated on those tasks."""
+    import json
+
+    for variant, seed, constant in (("grpo", 1, 0.5), ("grpo", 2, 0.5), ("rung1", 1, 1.0)):
+        folder = tmp_path / f"{variant}__{seed}__1700000000"
+        folder.mkdir()
+        rows = [{"step": 0, "charts/eval_accuracy": 0.25 * seed, "charts/eval_best_constant": constant,
+                 "charts/eval_uniform_guess": 0.25}, {"step": 10, "charts/eval_accuracy": 0.75}]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:1 + (seed == 1)]))
+    assert study.eval_step_table(tmp_path, per_seed=True).splitlines()[2:] == [
+        "| grpo, seed 1 | 25.0% | 75.0% |", "| grpo, seed 2 | 50.0% |  |", "| rung1, seed 1 | 25.0% | 75.0% |",
+        "| best constant answer (grpo) | 50.0% | |", "| best constant answer (rung1) | 100.0% | |",
+        "| uniform guess (grpo, rung1) | 25.0% | |"]
+
+
 def test_the_summary_gives_each_evaluation_steps_mean_and_range_over_seeds(tmp_path):
     fake_run(tmp_path, "grpo", 1, 0.6)
     fake_run(tmp_path, "grpo", 2, 0.7)

@@ -362,6 +362,25 @@ def model_source(model_path: str) -> dict:
     return {"path": model_path, **({"warm_start": {k: v for k, v in record.items() if k != "files"}} if record else {})}
 
 
+def warm_start_settings(source) -> dict | None:
+    """What a model_source's warm start was made with, not where, when or by which commit (None: not one)."""
+    warm = source.get("warm_start") if isinstance(source, dict) else None
+    return {k: v for k, v in warm.items() if k not in ("out", "seconds", "code_version")} if isinstance(
+        warm, dict) else None
+
+
+def check_same_warm_start(saved, current: dict, flag: str) -> None:
+    """--resume: the starting model is also the reference of the KL term, so a run that began from a warm start
+    continues only from one made with the same settings (a cache rebuilt with other defaults is refused)."""
+    before, now = warm_start_settings(saved), warm_start_settings(current)
+    if before is not None and now != before:
+        now = now or {}
+        changed = [f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(before) | set(now))
+                   if before.get(k) != now.get(k)]
+        raise ConfigError(f"{flag} is not allowed: the run started from a warm start that {current['path']} no "
+                          f"longer holds ({', '.join(changed)[:200]}); restore it, or start a new run")
+
+
 def read_json_object(path: Path) -> dict:
     """A JSON object from a file, or {} when it is missing or not one (a link, a FIFO, a huge file: none is read)."""
     try:
@@ -386,9 +405,12 @@ class RunLogger:
         config = flat_args(args) if is_dataclass(args) else dict(vars(args))
         data = DATA_FINGERPRINTS.get(getattr(args, "dataset", None))  # what load_countdown read
         versions = [code_version()]
+        source = model_source(model_path) if model_path else None
         if resume_step is not None:  # a resumed run keeps the versions of the code that made its earlier steps
             earlier = read_json_object(self.run_dir / "args.json")
             check_same_data(earlier.get("data_fingerprint"), data)
+            if source:
+                check_same_warm_start(earlier.get("model_source"), source, flag)
             if isinstance(earlier.get("code_versions"), list):
                 versions = [v for v in earlier["code_versions"] if v != versions[0]] + versions
         if track:  # before anything is written: a W&B start that fails leaves no new folder, a resumed one as it was
@@ -400,7 +422,7 @@ class RunLogger:
         # with the script's name (--resume refuses another script's run) and the data's fingerprint
         write_run_file(self.run_dir / "args.json", json.dumps(
             {"script": script, **config, "data_fingerprint": data, "code_versions": versions,
-             **({"model_source": model_source(model_path)} if model_path else {})}, indent=2, default=str),
+             **({"model_source": source} if source else {})}, indent=2, default=str),
             flag)
         from torch.utils.tensorboard import SummaryWriter
 

@@ -25,7 +25,9 @@ import common
 
 DEFAULT_METRICS = ["charts/eval_accuracy", "charts/accuracy", "charts/reward", "charts/response_length",
                    "losses/entropy", "losses/kl_ref", "losses/clipfrac"]
-# flags that name or place a run, or what it writes, rather than change its training: never used as labels
+# flags that name or place a run, or what it writes, rather than change its training: never used as labels.
+# model_source records where --model's folder was on the machine that ran it; what is trained from is --model
+# itself (bundled-warm is always the warm start's defaults, another warm start is another --model folder)
 NOT_LABELS = {"exp_name", "runs_dir", "resume", "track", "wandb_project", "wandb_entity", "eval_every", "save_every",
               "keep_checkpoints", "log_samples_every", "final_dtype", "script", "code_versions", "model_source"}
 NOT_GROUPED = (NOT_LABELS - {"script"}) | {"seed"}  # runs differing only in these are seeds of one setting

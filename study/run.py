@@ -278,7 +278,7 @@ def summary_table(out_dir: Path) -> str:
     """One markdown row per variant under out_dir, over its seeds (mean, and min-max when there are several):
     held-out greedy accuracy at step 0 and at the end beside the best constant answer and a uniform guess on
     the same tasks, the final gain over the best constant, the share of groups whose rewards were all equal
-    (zero advantage: no gradient from them) over all steps, the last step's entropy and length, seconds per
+    (zero advantage: no reward signal from them) over all steps, the last step's entropy and length, seconds per
     step and wall time (logged)."""
     lines = ["| run | seeds | steps | best constant | uniform guess | acc step 0 | final acc | min-max | "
              "gain over constant | equal-reward groups | entropy | length | s/step | wall (per seed) |",

@@ -184,6 +184,7 @@ def check_out(out: Path) -> None:
 
 def main(args: Args) -> str:
     check_args(args)
+    version = bookkeeping.code_version()  # the code that makes the examples and trains, not one edited meanwhile
     out = Path(args.out)
     check_out(out)
     try:
@@ -221,7 +222,7 @@ def main(args: Args) -> str:
               flush=True)
     seconds = round(time.perf_counter() - start)
     publish(model, tokenizer, out, {**asdict(args), "examples": len(data), "seconds": seconds,
-                                    "code_version": bookkeeping.code_version()})
+                                    "code_version": version})
     print(f"warm-started model: {args.out}  (use --model {args.out})")
     return args.out
 

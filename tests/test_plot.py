@@ -138,7 +138,7 @@ def test_seeds_of_one_setting_are_one_mean_line_with_a_min_max_band(tmp_path):
 
 def test_a_seed_run_by_newer_code_with_more_logging_flags_is_still_a_seed_of_the_setting(tmp_path):
     """Flags that only say where or how a run's outputs are written (W&B entity, the dtype of final/) and the
-    record of where its weights came from (a local path) were added after the committed study runs; a new seed
+    record of where --model's folder was (model_source) were added after the committed study runs; a new seed
     that records them belongs to the same mean line and band."""
     write_run(tmp_path, "grpo__1", {**GRPO, "seed": 1}, [{"step": 0, "charts/reward": 0.1}])
     write_run(tmp_path, "grpo__2", {**GRPO, "seed": 2, "wandb_entity": "", "final_dtype": "compute",

@@ -4,6 +4,7 @@ that cannot make a folder are refused before anything loads, the held-out split 
 and a resumed run trains on the data it started with."""
 
 import ctypes
+import gc
 import json
 import os
 import shutil
@@ -298,6 +299,34 @@ def test_a_dataset_file_changed_since_the_run_started_is_refused(change, what, t
         resume(run_dir)
     one_line(err)
     data.write_text(original)  # the same bytes again: it resumes
+    resume(run_dir)
+    assert Path(run_dir, "checkpoint-2").is_dir()
+
+
+def test_a_warm_start_remade_with_other_settings_is_refused_on_resume(tiny_model_dir, tmp_path):
+    """The starting model is also the KL reference: a run begun from a warm start does not resume from one made
+    with other settings in the same folder (as a rebuilt --model=bundled-warm cache would be)."""
+    from test_study import load
+
+    warm_start = load("warm_start")
+    warm = tmp_path / "warm"
+
+    def make(seed):
+        warm_start.main(script_args(warm_start, out=str(warm), model=tiny_model_dir, num_steps=1, batch_size=2,
+                                    seed=seed))
+
+    make(7)
+    args = tiny_args(grpo, model=str(warm), runs_dir=str(tmp_path / "runs"), save_every=1, eval_size=0)
+    run_dir = grpo.train(args, reward_fn=even_token_reward)["run_dir"]
+    make(8)
+    with pytest.raises(common.ConfigError, match=r"^--resume=.* is not allowed: the run started from a warm start "
+                                                 r"that .* no longer holds \(seed 7 -> 8\)") as err:
+        resume(run_dir)
+    one_line(err)
+    del err  # its traceback holds the refused run's folder lock, which a process that stops releases
+    gc.collect()
+    assert json.loads(Path(run_dir, "args.json").read_text())["model_source"]["warm_start"]["seed"] == 7
+    make(7)  # made again with the same settings (another time, perhaps another commit): it resumes
     resume(run_dir)
     assert Path(run_dir, "checkpoint-2").is_dir()
 

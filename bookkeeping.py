@@ -479,6 +479,12 @@ class RunLogger:
             self.writer.add_scalar(k, v, step)
         self._metrics.write(json.dumps({"step": step, **{k: float(v) for k, v in scalars.items()}}) + "\n")
         self._metrics.flush()
+        if "charts/eval_best_constant" in scalars:  # an accuracy means little without what a constant answer scores
+            from tqdm import tqdm
+
+            tqdm.write(f"step {step}: held-out greedy accuracy {scalars['charts/eval_accuracy']:.1%}; best constant "
+                       f"answer {scalars['charts/eval_best_constant']:.1%}, uniform guess "
+                       f"{scalars['charts/eval_uniform_guess']:.1%} on the same tasks", file=sys.stderr)
 
     def log_samples(self, step: int, prompts: list[str], texts: list[str], rewards: list[float]) -> None:
         if not self.enabled:

@@ -278,7 +278,7 @@ def test_evaluate_reports_accuracy_per_operator_class():
     assert evaluate_script.answer_operators("no answer") == "none"
 
 
-def test_a_run_records_its_code_version_and_ppo_logs_kl_to_the_reference(tiny_model_dir, tmp_path):
+def test_a_run_records_its_code_version_and_ppo_logs_kl_to_the_reference(tiny_model_dir, tmp_path, capsys):
     """args.json names the commit, and the warm start the run began from: its settings and the commit that made
     it (what --model=bundled-warm resolves to is a cached folder whose name says neither)."""
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -295,6 +295,10 @@ def test_a_run_records_its_code_version_and_ppo_logs_kl_to_the_reference(tiny_mo
     assert saved["model_source"]["warm_start"] == {k: v for k, v in made.items() if k != "files"}
     _, rows = read_metrics(tmp_path / "runs")
     assert rows[-1]["losses/kl_ref"] >= 0 and "charts/eval_best_constant" in rows[0]
+    # the terminal shows each evaluation beside its baselines, as logged
+    shown = [line for line in capsys.readouterr().err.splitlines() if "held-out greedy accuracy" in line]
+    assert [line.split(":")[0] for line in shown] == [f"step {r['step']}" for r in rows if "charts/eval_accuracy" in r]
+    assert f"best constant answer {rows[0]['charts/eval_best_constant']:.1%}" in shown[0]
     # a model that no warm start made records its folder alone
     result = grpo.train(tiny_args(grpo, model=tiny_model_dir, num_steps=1, eval_size=2, test_size=4,
                                   runs_dir=str(tmp_path / "plain")))

@@ -1587,7 +1587,7 @@ def _constant_baselines(keys: tuple) -> dict:
     for nums, target in keys:
         by_count.setdefault(len(nums), []).append((nums, target))
     best_correct = uniform = 0.0
-    best_templates = []
+    best_templates, by_operators = [], {}
     for count, tasks in sorted(by_count.items()):
         templates = expression_templates(count)
         hits = [0] * len(templates)
@@ -1599,15 +1599,23 @@ def _constant_baselines(keys: tuple) -> dict:
         best = max(range(len(templates)), key=lambda i: hits[i])
         best_correct += hits[best]
         best_templates.append(template_text(templates[best]))
+        best_of_class: dict[str, int] = {}  # each operator pattern's best template ("always multiply")
+        for template, n in zip(templates, hits):
+            cls = expression_operators(template_text(template))
+            best_of_class[cls] = max(best_of_class.get(cls, 0), n)
+        for cls, n in best_of_class.items():
+            by_operators[cls] = by_operators.get(cls, 0) + n
     return {"best_constant": best_correct / len(keys), "uniform_guess": uniform / len(keys),
-            "best_constant_template": " | ".join(best_templates)}
+            "best_constant_template": " | ".join(best_templates),
+            "best_by_operators": {cls: n / len(keys) for cls, n in sorted(by_operators.items())}}
 
 
 def constant_baselines(tasks: list[dict]) -> dict | None:
     """What answering without reading the target scores on `tasks`, exactly:
     `best_constant`: the best single template by position (`n1 + n2`; one per number count when counts
-    are mixed), the accuracy of the best input-independent answer; `uniform_guess`: the expected accuracy
-    of a template drawn uniformly at random. None for tasks of more than 4 numbers."""
+    are mixed), the accuracy of the best input-independent answer; `best_by_operators`: the same for each
+    operator pattern (`+`, `*`, `+-`: the best template using exactly those operators); `uniform_guess`: the
+    expected accuracy of a template drawn uniformly at random. None for tasks of more than 4 numbers."""
     if not tasks or max(len(t["nums"]) for t in tasks) > MAX_TEMPLATE_NUMBERS:
         return None
     return _constant_baselines(tuple((tuple(t["nums"]), t["target"]) for t in tasks))

@@ -248,8 +248,10 @@ def main(args: Args, typed: set[str]) -> dict:
               "greedy_accuracy": greedy["charts/eval_accuracy"], "format_rate": greedy["charts/eval_format_rate"],
               "response_length": greedy["charts/eval_response_length"], "code_version": bookkeeping.code_version()}
     if "charts/eval_best_constant" in greedy:  # what answering without reading the target scores
+        constants = common.constant_baselines(tasks)
         result.update(best_constant=greedy["charts/eval_best_constant"],
-                      best_constant_template=common.constant_baselines(tasks)["best_constant_template"],
+                      best_constant_template=constants["best_constant_template"],
+                      best_constant_by_operators=constants["best_by_operators"],
                       uniform_guess=greedy["charts/eval_uniform_guess"],
                       gain_over_best_constant=greedy["charts/eval_accuracy"] - greedy["charts/eval_best_constant"])
     if all(row["operator_class"] != "?" for row in details):

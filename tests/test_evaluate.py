@@ -45,6 +45,7 @@ def test_a_runs_checkpoint_scores_as_its_final_evaluation(tiny_model_dir, tmp_pa
     assert scored["best_constant"] == out["charts/eval_best_constant"] <= 0.5
     assert scored["uniform_guess"] == out["charts/eval_uniform_guess"]
     assert scored["gain_over_best_constant"] == scored["greedy_accuracy"] - scored["best_constant"]
+    assert max(scored["best_constant_by_operators"].values()) == scored["best_constant"]
     classes = scored["by_operator_class"]
     assert {cls: entry["tasks"] for cls, entry in classes.items()} == {"+": 3, "*": 3}
     assert sum(entry["accuracy"] * entry["tasks"] for entry in classes.values()) == pytest.approx(

@@ -60,8 +60,13 @@ def test_best_constant_and_uniform_guess_by_hand():
     sums = [{"nums": [a, b], "target": a + b} for a, b in [(1, 2), (7, 3), (4, 4)]]
     assert common.constant_baselines(sums + tasks[1:2])["best_constant"] == pytest.approx(3 / 4)
     assert common.constant_baselines(sums)["best_constant_template"] == "n1 + n2"
+    # each operator pattern's best template: "always add" 3 of 4, "always subtract" 1 (9 - 4), the others none
+    assert common.constant_baselines(sums + tasks[1:2])["best_by_operators"] == {"+": 0.75, "-": 0.25, "*": 0.0,
+                                                                                 "/": 0.0}
     three = [{"nums": [2, 3, 4], "target": 20}]  # (n1 + n2) * n3 and its mirror images
     assert common.constant_baselines(three)["best_constant"] == 1.0
+    assert common.constant_baselines(three)["best_by_operators"]["*+"] == 1.0  # (n1 + n2) * n3
+    assert common.constant_baselines(three)["best_by_operators"]["++"] == 0.0
     assert common.constant_baselines([{"nums": [1, 2, 3, 4, 5], "target": 15}]) is None
 
 

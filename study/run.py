@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import decimal
 import fcntl
+import importlib
 import json
 import math
 import os
@@ -40,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import bookkeeping  # noqa: E402
 import common  # noqa: E402
-from plot import read_rows  # noqa: E402
+from plot import NOT_LABELS, read_rows  # noqa: E402
 
 # What every run of a scale shares. Paper: README "The paper's setup".
 PAPER = dict(model="Qwen/Qwen2.5-1.5B-Instruct", dataset="Jiayi-Pan/Countdown-Tasks-3to4", max_new_tokens=1024,
@@ -93,7 +94,7 @@ EXPERIMENTS = {
                          "(dapo.py with GRPO's clip range and KL, no dynamic sampling, no overlong shaping)", [
         ("sample-level", "grpo", {}),
         ("token-level", "dapo", dict(clip_high=0.2, beta=0.01, dynamic_sampling=False))]),
-    "dynamic-sampling": ("Fig. 7: DAPO with and without dynamic sampling (G = 8)", [
+    "dynamic-sampling": ("Fig. 7: DAPO with and without dynamic sampling (G = 8 at paper scale, 2 at CPU scale)", [
         ("no-ds", "dapo", dict(dynamic_sampling=False)), ("ds", "dapo", dict(dynamic_sampling=True))]),
     "dapo-group-size": ("Fig. 8: DAPO with G = 2 (with and without KL), 4, 8", [
         ("G2-beta0", "dapo", dict(group_size=2, beta=0.0)), ("G2-beta0.01", "dapo", dict(group_size=2, beta=0.01)),
@@ -156,12 +157,47 @@ def run_commands(args: Args, experiment: str) -> list[tuple[str, list[str]]]:
             if state == "finished":
                 continue
             cmd = [sys.executable, str(ROOT / f"{script}.py")] + flag_list(flags) + shlex.split(args.extra)
+            if state == "new" and (earlier := same_run_elsewhere(out_dir, cmd)):
+                link_run(out_dir / f"{variant}__{seed}__{earlier.name.split('__')[-1]}", earlier, args.dry_run)
+                continue
             if state == "resumable":
                 cmd = [sys.executable, str(ROOT / f"{script}.py"), "--resume", str(folder), "--num-steps",
                        str(flags["num_steps"])]
             label = variant if args.seeds == (1,) else f"{variant} seed {seed}"
             commands.append((label, cmd))
     return commands
+
+
+def training_flags(cmd: list[str]) -> dict:
+    """What a script command trains: its flags as args.json records them (JSON values), less those that name or
+    place the run or what it writes (plot.NOT_LABELS, the flags that do not split seeds of one setting)."""
+    script = Path(cmd[1]).stem
+    flags = bookkeeping.flat_args(tyro.cli(importlib.import_module(script).Args, args=cmd[2:]))
+    flags = {k: v for k, v in flags.items() if k not in NOT_LABELS}
+    return json.loads(json.dumps({"script": script, **flags}, default=str))
+
+
+def same_run_elsewhere(out_dir: Path, cmd: list[str]) -> Path | None:
+    """A finished run of another experiment of the scale with the command's training flags and seed (the CPU
+    GRPO run is both `algorithms`' grpo and `group-size`'s G2): running it again would compute the same updates."""
+    wanted = training_flags(cmd)
+    for folder in sorted(out_dir.parent.glob("*/*__*/args.json")):
+        folder = folder.parent
+        if folder.parent == out_dir or folder.is_symlink() or folder.parent.is_symlink():
+            continue
+        saved = bookkeeping.read_json_object(folder / "args.json")
+        if all(k in saved and saved[k] == v for k, v in wanted.items()) and finished(folder):
+            return folder
+    return None
+
+
+def link_run(link: Path, earlier: Path, dry_run: bool) -> None:
+    """Count a finished run of another experiment as this variant's: a relative link, so that a clone keeps it."""
+    print(f"study: {link.name} is the run {earlier} (the same flags and seed): "
+          f"{'would link' if dry_run else 'linked'} as {link}, not run again", file=sys.stderr)
+    if not dry_run:
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(earlier, link.parent), target_is_directory=True)
 
 
 def run_folders(out_dir: Path, variant: str, seed: int = 1) -> list[Path]:
@@ -202,9 +238,13 @@ def run_state(out_dir: Path, variant: str, num_steps: int, seed: int = 1,
         logged = steps_logged(folder)
         if logged >= num_steps:
             return "finished", folder
+        if folder.is_symlink():  # another experiment's run (link_run): never continued from here
+            raise common.ConfigError(
+                f"{folder} cannot be continued to step {num_steps}: it is a link to {folder.resolve()}, which logged "
+                f"{logged} steps; remove the link (not what it names) to run {variant} seed {seed} here anew")
         if bookkeeping.complete_checkpoints(folder):
             return "resumable", folder
-        if folder.is_symlink() or in_use(folder):
+        if in_use(folder):
             continue
         if logged > 0:
             raise common.ConfigError(

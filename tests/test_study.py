@@ -3,8 +3,11 @@
 import errno
 import importlib
 import importlib.util
+import json
+import os
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import tyro
@@ -13,7 +16,7 @@ import bookkeeping
 from bookkeeping import flat_args
 import common
 import grpo
-from conftest import ROOT, read_metrics, script_args, tiny_args
+from conftest import ROOT, TINY, read_metrics, script_args, tiny_args
 
 
 def load(name):
@@ -81,7 +84,6 @@ def test_a_stopped_study_skips_finished_runs_and_resumes_unfinished_ones(tiny_mo
 def test_an_orphan_variant_is_replaced_and_a_seed_is_a_run_of_its_own(tiny_model_dir, tmp_path):
     """A run stopped before its first checkpoint leaves a folder; the study removes it instead of starting a
     second folder beside it (the figure listed the variant twice); each seed is its own run."""
-    import json
 
     out_dir = tmp_path / "cpu" / "group-size"
     orphan = out_dir / "G2__1__1700000000"
@@ -121,6 +123,41 @@ def test_an_orphan_variant_is_replaced_and_a_seed_is_a_run_of_its_own(tiny_model
         assert (odd / extra).is_symlink()
         shutil.rmtree(odd)
     assert [cmd[cmd.index("--seed") + 1] for _, cmd in commands] == ["1", "2"]
+
+
+def test_a_run_another_experiment_made_is_linked_not_run_again(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """At CPU scale group-size's G2 is algorithms' grpo (the same flags and seed): the study links the finished run
+    instead of computing the same updates again, and runs anew whatever differs in training or did not finish."""
+    monkeypatch.setattr(study, "CPU", {**TINY, "model": tiny_model_dir, "num_steps": 2, "save_every": 1})
+    monkeypatch.setattr(study, "CPU_SCRIPT", {"grpo": {}})
+
+    def commands(experiment, root=tmp_path, **fields):
+        return study.run_commands(script_args(study, experiment=experiment, root=str(root), **fields), experiment)
+
+    (_, cmd), = commands("algorithms", only=("grpo",))
+    earlier = Path(grpo.train(tyro.cli(grpo.Args, args=cmd[2:]))["run_dir"])  # the real run, as the study runs it
+    assert commands("group-size", only=("G2",)) == []
+    link, = (tmp_path / "cpu" / "group-size").glob("G2__1__*")
+    assert link.is_symlink() and not Path(os.readlink(link)).is_absolute() and link.resolve() == earlier.resolve()
+    assert f"{link.name} is the run {earlier}" in capsys.readouterr().err
+    assert study.summary_table(link.parent).splitlines()[2].startswith("| G2 | 1 | 2 | ")
+    assert commands("group-size", only=("G2",)) == []  # linked once; then finished
+    # what changes training is run: another group size, another seed; so is a run that did not finish
+    assert [label for label, _ in commands("group-size", only=("G4",))] == ["G4"]
+    assert [label for label, _ in commands("kl", seeds=(2,), only=("beta-0.01",))] == ["beta-0.01 seed 2"]
+    with pytest.raises(common.ConfigError, match=f"^{link} cannot be continued to step 3: it is a link to "
+                                                 f".*{earlier.name}, which logged 2 steps; remove the link"):
+        commands("group-size", only=("G2",), steps=3)
+    assert [label for label, _ in commands("loss-aggregation", only=("sample-level",), steps=3)] == ["sample-level"]
+    assert not (tmp_path / "cpu" / "loss-aggregation").exists()  # the study made no folder for it: it runs there
+    saved = json.loads((earlier / "args.json").read_text())
+    (earlier / "args.json").write_text(json.dumps({**saved, "learning_rate": 2e-3}))  # made with other flags
+    assert [label for label, _ in commands("kl", only=("beta-0.01",))] == ["beta-0.01"]
+    (earlier / "args.json").write_text(json.dumps(saved))
+    # the link is relative: a clone (here a moved folder) keeps it, and the summary reads through it
+    shutil.move(tmp_path / "cpu", tmp_path / "clone")
+    moved = tmp_path / "clone" / "group-size" / link.name
+    assert study.run_state(moved.parent, "G2", 2) == ("finished", moved) and (moved / "metrics.jsonl").is_file()
 
 
 def test_a_study_lock_that_is_a_link_is_refused_not_followed(tmp_path):
@@ -169,7 +206,6 @@ def test_the_readme_quick_start_is_the_studys_grpo_run():
 
 
 def test_the_operator_table_reads_each_runs_final_evaluation(tmp_path):
-    import json
 
     run = tmp_path / "grpo__1__1700000000"
     run.mkdir()
@@ -185,7 +221,6 @@ def test_the_operator_table_reads_each_runs_final_evaluation(tmp_path):
 def fake_run(out_dir, variant, seed, value, metric="charts/eval_accuracy", num_steps=10, last_step=10):
     """A run folder as the scripts leave it, without a model: args.json and two metrics rows, the metric at
     step 0 (0.0, which the verdict must not read) and at `last_step`."""
-    import json
 
     folder = out_dir / f"{variant}__{seed}__1700000000"
     folder.mkdir(parents=True)
@@ -198,7 +233,6 @@ def fake_run(out_dir, variant, seed, value, metric="charts/eval_accuracy", num_s
 def test_the_summary_gives_the_share_of_groups_that_carried_no_gradient(tmp_path):
     """GRPO and DAPO log each step's share of groups with equal rewards; the summary gives its mean over every
     step of every seed (0.25 and 0.75 in seed 1, 1.0 in seed 2: 2/3), and "-" for PPO, which has no groups."""
-    import json
 
     for variant, seed, shares in (("grpo", 1, (0.25, 0.75)), ("grpo", 2, (1.0,)), ("ppo", 1, ())):
         fake_run(tmp_path, variant, seed, 0.5)
@@ -213,7 +247,6 @@ def test_the_summary_gives_the_share_of_groups_that_carried_no_gradient(tmp_path
 
 def test_the_summary_gives_each_runs_accuracy_per_step_above_its_baselines(tmp_path):
     """One row per run, then one row per baseline value naming the variants evaluated on those tasks."""
-    import json
 
     for variant, seed, constant in (("grpo", 1, 0.5), ("grpo", 2, 0.5), ("rung1", 1, 1.0)):
         folder = tmp_path / f"{variant}__{seed}__1700000000"
@@ -296,7 +329,6 @@ def test_every_finding_compares_two_variants_of_its_experiment_on_a_metric_their
 
 
 def test_a_training_quantity_is_read_as_its_last_steps_mean_an_evaluation_as_its_last_value(tmp_path):
-    import json
 
     folder = tmp_path / "x" / "G2__1__1700000000"
     folder.mkdir(parents=True)

@@ -306,17 +306,21 @@ def wall_minutes(rows: list[dict]) -> float:
     return sum(row.get("time/step", 0.0) + row.get("time/eval", 0.0) for row in rows) / 60
 
 
-def variant_runs(out_dir: Path) -> dict[str, list[tuple[Path, list[dict]]]]:
+Runs = dict[str, list[tuple[Path, list[dict]]]]
+"""variant -> its run folders with their metrics rows"""
+
+
+def variant_runs(out_dir: Path) -> Runs:
     """Each variant's run folders under out_dir (`<variant>__<seed>__<time>`) with their metrics rows."""
-    variants: dict[str, list[tuple[Path, list[dict]]]] = {}
+    variants: Runs = {}
     for folder in sorted(p for p in out_dir.glob("*__*") if (p / "metrics.jsonl").is_file()):
         variants.setdefault(folder.name.split("__")[0], []).append((folder, read_rows(folder)))
     return variants
 
 
-def summary_table(out_dir: Path) -> str:
-    """One markdown row per variant under out_dir, over its seeds (mean, and min-max when there are several):
-    held-out greedy accuracy at step 0 and at the end beside the best constant answer and a uniform guess on
+def summary_table(runs_of: Runs) -> str:
+    """One markdown row per variant of `runs_of` (variant_runs), over its seeds (mean, and min-max when there are
+    several): held-out greedy accuracy at step 0 and at the end beside the best constant answer and a uniform guess on
     the same tasks, the final gain over the best constant, the share of groups whose rewards were all equal
     (zero advantage: no reward signal from them) over all steps, the last step's entropy and length, seconds per
     step and wall time (logged)."""
@@ -324,7 +328,7 @@ def summary_table(out_dir: Path) -> str:
              "gain over constant | equal-reward groups | entropy | length | s/step | wall (per seed) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     variants: dict[str, list[list[dict]]] = {}
-    for name, runs in variant_runs(out_dir).items():
+    for name, runs in runs_of.items():
         evaluated = [rows for _, rows in runs
                      if any("charts/eval_accuracy" in r for r in rows) and any(r["step"] >= 1 for r in rows)]
         if evaluated:
@@ -354,11 +358,10 @@ def percent(fraction: float) -> str:
     return f"{exact.quantize(decimal.Decimal('0.1'), rounding=decimal.ROUND_HALF_UP)}%"
 
 
-def eval_step_table(out_dir: Path, per_seed: bool = False) -> str:
+def eval_step_table(runs_of: Runs, per_seed: bool = False) -> str:
     """Held-out greedy accuracy at each evaluation step, one row per variant: the mean over its seeds, with
     min-max and the number of seeds when it has several (a seed stopped early counts where it got to). With
     `per_seed`, one row per run instead, and below them each variant's baselines on the same tasks."""
-    runs_of = variant_runs(out_dir)
     variants = {name: [[r for r in rows if "charts/eval_accuracy" in r] for _, rows in runs]
                 for name, runs in runs_of.items()}
     steps = sorted({r["step"] for evals in variants.values() for e in evals for r in e})
@@ -490,9 +493,8 @@ def seeds_cell(variant: str, values: list[float]) -> str:
     return f"`{variant}` {fmean(values):.4g} ({min(values):.4g}-{max(values):.4g}, n={len(values)})"
 
 
-def verdict_table(out_dir: Path, experiment: str) -> str:
+def verdict_table(runs: Runs, experiment: str) -> str:
     """One markdown row per paper finding of the experiment: each side over its finished seeds, and the verdict."""
-    runs = variant_runs(out_dir)
     lines = ["| paper's finding | metric | higher in the paper | lower in the paper | difference of means | verdict |",
              "|---|---|---|---|---|---|"]
     for finding in FINDINGS.get(experiment, ()):
@@ -530,12 +532,13 @@ def main(args: Args) -> int:
     if args.summary:
         for experiment in experiments:
             out_dir = Path(args.root) / args.scale / experiment
-            steps = eval_step_table(out_dir)
-            steps = (f"Held-out greedy accuracy per evaluation step, each run\n\n{eval_step_table(out_dir, True)}\n\n"
+            runs = variant_runs(out_dir)  # read once for every table
+            steps = eval_step_table(runs)
+            steps = (f"Held-out greedy accuracy per evaluation step, each run\n\n{eval_step_table(runs, True)}\n\n"
                      f"and per variant\n\n{steps}\n\n") if steps else ""
-            print(f"# {experiment}\n\n{summary_table(out_dir)}\n\n{steps}{operator_table(out_dir)}\n")
+            print(f"# {experiment}\n\n{summary_table(runs)}\n\n{steps}{operator_table(out_dir)}\n")
             if experiment in FINDINGS:
-                print(f"## The paper's findings\n\n{verdict_table(out_dir, experiment)}\n")
+                print(f"## The paper's findings\n\n{verdict_table(runs, experiment)}\n")
         return 0
     for experiment in experiments:
         out_dir = Path(args.root) / args.scale / experiment

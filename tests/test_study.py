@@ -63,7 +63,7 @@ def test_a_stopped_study_skips_finished_runs_and_resumes_unfinished_ones(tiny_mo
     commands = dict(study.run_commands(args, "group-size"))
     assert commands["G2"][2:] == ["--resume", str(folder), "--num-steps", "3"]
     assert "--resume" not in commands["G4"]
-    table = study.summary_table(out_dir).splitlines()
+    table = study.summary_table(study.variant_runs(out_dir)).splitlines()
     assert len(table) == 3 and table[2].startswith("| G2 | 1 | 2 | ")  # header, rule, the one run (1 seed, 2 steps)
     # a finished run is evaluated once more for the per-operator table, then never again
     (_, evaluate), = study.final_evaluations(args, "group-size")
@@ -140,7 +140,7 @@ def test_a_run_another_experiment_made_is_linked_not_run_again(tiny_model_dir, t
     link, = (tmp_path / "cpu" / "group-size").glob("G2__1__*")
     assert link.is_symlink() and not Path(os.readlink(link)).is_absolute() and link.resolve() == earlier.resolve()
     assert f"{link.name} is the run {earlier}" in capsys.readouterr().err
-    assert study.summary_table(link.parent).splitlines()[2].startswith("| G2 | 1 | 2 | ")
+    assert study.summary_table(study.variant_runs(link.parent)).splitlines()[2].startswith("| G2 | 1 | 2 | ")
     assert commands("group-size", only=("G2",)) == []  # linked once; then finished
     # what changes training is run: another group size, another seed; so is a run that did not finish
     assert [label for label, _ in commands("group-size", only=("G4",))] == ["G4"]
@@ -240,7 +240,7 @@ def test_the_summary_gives_the_share_of_groups_that_carried_no_gradient(tmp_path
                 for step, share in enumerate(shares, start=11)]
         with open(tmp_path / f"{variant}__{seed}__1700000000" / "metrics.jsonl", "a") as metrics:
             metrics.writelines(json.dumps(row) + "\n" for row in rows)
-    header, _, grpo_row, ppo_row = study.summary_table(tmp_path).splitlines()
+    header, _, grpo_row, ppo_row = study.summary_table(study.variant_runs(tmp_path)).splitlines()
     column = header.split(" | ").index("equal-reward groups")
     assert grpo_row.split(" | ")[column] == "0.667" and ppo_row.split(" | ")[column] == "-"
 
@@ -254,7 +254,7 @@ def test_the_summary_gives_each_runs_accuracy_per_step_above_its_baselines(tmp_p
         rows = [{"step": 0, "charts/eval_accuracy": 0.25 * seed, "charts/eval_best_constant": constant,
                  "charts/eval_uniform_guess": 0.25}, {"step": 10, "charts/eval_accuracy": 0.75}]
         (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:1 + (seed == 1)]))
-    assert study.eval_step_table(tmp_path, per_seed=True).splitlines()[2:] == [
+    assert study.eval_step_table(study.variant_runs(tmp_path), per_seed=True).splitlines()[2:] == [
         "| grpo, seed 1 | 25.0% | 75.0% |", "| grpo, seed 2 | 50.0% |  |", "| rung1, seed 1 | 25.0% | 75.0% |",
         "| best constant answer (grpo) | 50.0% | |", "| best constant answer (rung1) | 100.0% | |",
         "| uniform guess (grpo, rung1) | 25.0% | |"]
@@ -265,17 +265,18 @@ def test_the_summary_gives_each_evaluation_steps_mean_and_range_over_seeds(tmp_p
     fake_run(tmp_path, "grpo", 2, 0.7)
     fake_run(tmp_path, "grpo", 3, 0.5, last_step=5)  # stopped early: counts at step 5 only
     fake_run(tmp_path, "ppo", 1, 0.8)
-    assert study.eval_step_table(tmp_path).splitlines() == [
+    assert study.eval_step_table(study.variant_runs(tmp_path)).splitlines() == [
         "| run | step 0 | step 5 | step 10 |", "|---|---|---|---|",
         "| grpo | 0.0% (0.0%-0.0%, n=3) | 50.0% (50.0%-50.0%, n=1) | 65.0% (60.0%-70.0%, n=2) |",
         "| ppo | 0.0% |  | 80.0% |"]
-    assert study.eval_step_table(tmp_path / "none") == ""
+    assert study.eval_step_table(study.variant_runs(tmp_path / "none")) == ""
     assert study.percent(72 / 128) == "56.3%" and study.percent(0.546875) == "54.7%"
     assert study.percent(201 / 400) == "50.3%"  # 0.5025 * 1000 is 502.49999... in floats
 
 
 def verdict_row(out_dir, experiment, finding):
-    (row,) = [line for line in study.verdict_table(out_dir, experiment).splitlines() if finding.claim in line]
+    table = study.verdict_table(study.variant_runs(out_dir), experiment)
+    (row,) = [line for line in table.splitlines() if finding.claim in line]
     return row
 
 

@@ -365,8 +365,9 @@ def model_source(model_path: str) -> dict:
 def warm_start_settings(source) -> dict | None:
     """What a model_source's warm start was made with, not where, when or by which commit (None: not one)."""
     warm = source.get("warm_start") if isinstance(source, dict) else None
-    return {k: v for k, v in warm.items() if k not in ("out", "seconds", "code_version")} if isinstance(
-        warm, dict) else None
+    if not isinstance(warm, dict):
+        return None
+    return {k: v for k, v in warm.items() if k not in ("out", "seconds", "code_version")}
 
 
 def check_same_warm_start(saved, current: dict, flag: str) -> None:

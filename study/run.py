@@ -179,14 +179,15 @@ def training_flags(cmd: list[str]) -> dict:
 
 def same_run_elsewhere(out_dir: Path, cmd: list[str]) -> Path | None:
     """A finished run of another experiment of the scale with the command's training flags and seed (the CPU
-    GRPO run is both `algorithms`' grpo and `group-size`'s G2): running it again would compute the same updates."""
+    GRPO run is both `algorithms`' grpo and `group-size`'s G2): running it again would compute the same updates.
+    As in the figures' seeds of one setting, the code version and the warm start's record are not compared."""
     wanted = training_flags(cmd)
     for folder in sorted(out_dir.parent.glob("*/*__*/args.json")):
         folder = folder.parent
         if folder.parent == out_dir or folder.is_symlink() or folder.parent.is_symlink():
             continue
         saved = bookkeeping.read_json_object(folder / "args.json")
-        if all(k in saved and saved[k] == v for k, v in wanted.items()) and finished(folder):
+        if all(k in saved and saved[k] == v for k, v in wanted.items()) and finished(folder) and not in_use(folder):
             return folder
     return None
 
@@ -277,8 +278,8 @@ def final_evaluations(args: Args, experiment: str) -> list[tuple[str, list[str]]
         return []
     commands = []
     for folder in sorted(p for p in out_dir.glob("*__*") if (p / "args.json").is_file()):
-        if (folder / FINAL_EVAL).is_file() or not bookkeeping.complete_checkpoints(folder):
-            continue
+        if folder.is_symlink() or (folder / FINAL_EVAL).is_file() or not bookkeeping.complete_checkpoints(folder):
+            continue  # a link's run is evaluated by the experiment that holds it
         if finished(folder):
             commands.append((f"evaluate {folder.name}", [sys.executable, str(ROOT / "evaluate.py"), str(folder),
                                                          "--out", str(folder / FINAL_EVAL),

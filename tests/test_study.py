@@ -136,11 +136,23 @@ def test_a_run_another_experiment_made_is_linked_not_run_again(tiny_model_dir, t
 
     (_, cmd), = commands("algorithms", only=("grpo",))
     earlier = Path(grpo.train(tyro.cli(grpo.Args, args=cmd[2:]))["run_dir"])  # the real run, as the study runs it
+    metrics = (earlier / "metrics.jsonl").read_text()
+    stopped = [line for line in metrics.splitlines(keepends=True) if json.loads(line)["step"] < 2]
+    (earlier / "metrics.jsonl").write_text("".join(stopped))  # as if stopped after step 1
+    assert [label for label, _ in commands("group-size", only=("G2",))] == ["G2"]
+    (earlier / "metrics.jsonl").write_text(metrics)
+    assert commands("group-size", only=("G2",), dry_run=True) == []
+    assert not (tmp_path / "cpu" / "group-size").exists()  # a dry run links nothing
     assert commands("group-size", only=("G2",)) == []
     link, = (tmp_path / "cpu" / "group-size").glob("G2__1__*")
     assert link.is_symlink() and not Path(os.readlink(link)).is_absolute() and link.resolve() == earlier.resolve()
     assert f"{link.name} is the run {earlier}" in capsys.readouterr().err
     assert study.summary_table(study.variant_runs(link.parent)).splitlines()[2].startswith("| G2 | 1 | 2 | ")
+    # the experiment that holds the run evaluates it, not one that links it (nor through the link, without its lock)
+    assert study.final_evaluations(script_args(study, experiment="group-size", scale="cpu", root=str(tmp_path)),
+                                   "group-size") == []
+    assert len(study.final_evaluations(script_args(study, experiment="algorithms", scale="cpu", root=str(tmp_path)),
+                                       "algorithms")) == 1
     assert commands("group-size", only=("G2",)) == []  # linked once; then finished
     # what changes training is run: another group size, another seed; so is a run that did not finish
     assert [label for label, _ in commands("group-size", only=("G4",))] == ["G4"]

@@ -84,7 +84,7 @@ EXPERIMENTS = {
     "entropy": ("Fig. 3: PPO with and without an entropy bonus (c2 = 0.001, verl's former default; "
                 "the paper gives no value)", [
         ("ent-0", "ppo", dict(ent_coef=0.0)), ("ent-0.001", "ppo", dict(ent_coef=0.001))]),
-    "learning-rate": ("Fig. 4: PPO at the paper's learning rate and 10x it (the paper does not give the larger one)", [
+    "learning-rate": ("Fig. 4: PPO at the scale's learning rate and 10x it (the paper does not give the larger one)", [
         ("lr-base", "ppo", {}), ("lr-10x", "ppo", dict(learning_rate_scale=10.0))]),
     "group-size": ("Fig. 5: GRPO with G = 2, 4, 8 (same prompts per step)", [
         (f"G{g}", "grpo", dict(group_size=g)) for g in (2, 4, 8)]),
@@ -96,7 +96,8 @@ EXPERIMENTS = {
         ("token-level", "dapo", dict(clip_high=0.2, beta=0.01, dynamic_sampling=False))]),
     "dynamic-sampling": ("Fig. 7: DAPO with and without dynamic sampling (G = 8 at paper scale, 2 at CPU scale)", [
         ("no-ds", "dapo", dict(dynamic_sampling=False)), ("ds", "dapo", dict(dynamic_sampling=True))]),
-    "dapo-group-size": ("Fig. 8: DAPO with G = 2 (with and without KL), 4, 8", [
+    "dapo-group-size": ("Fig. 8: DAPO with G = 2 (with and without KL), 4, 8 (the paper names G = 2 with and "
+                        "without KL; G = 4 and the KL run's beta 0.01 are this study's choices)", [
         ("G2-beta0", "dapo", dict(group_size=2, beta=0.0)), ("G2-beta0.01", "dapo", dict(group_size=2, beta=0.01)),
         ("G4", "dapo", dict(group_size=4)), ("G8", "dapo", dict(group_size=8))]),
 }
@@ -425,25 +426,32 @@ FINDINGS = {
     "algorithms": (
         Finding("Table 3: DAPO without dynamic sampling is the most effective algorithm (above PPO)", "dapo", "ppo"),
         Finding("Table 3: DAPO without dynamic sampling is the most effective algorithm (above GRPO)", "dapo",
-                "grpo")),
+                "grpo"),
+        Finding("Table 4: token-level DAPO has longer responses than GRPO", "dapo", "grpo",
+                "charts/response_length")),
     "entropy": (
         Finding("Fig. 3(c): adding an entropy bonus leads to lower accuracy", "ent-0", "ent-0.001"),
         Finding("Fig. 3(a): the entropy bonus increases the fraction of clipped tokens", "ent-0.001", "ent-0",
                 "losses/clipfrac")),
     "learning-rate": (
-        Finding("Fig. 4 (GSM8k): a larger learning rate achieves higher accuracy (with larger fluctuations)", "lr-10x",
-                "lr-base"),
+        Finding("Fig. 4 (GSM8k there, Countdown held-out here): a larger learning rate achieves higher accuracy "
+                "(with larger fluctuations)", "lr-10x", "lr-base"),
         Finding("Fig. 4(a): a higher learning rate causes the policy entropy to decay more rapidly", "lr-base",
                 "lr-10x", "losses/entropy")),
     "group-size": (  # G = 4 outperforms G = 2 and G = 8 adds little: the conclusion compares G = 8 with G = 2
         Finding("Fig. 5: a larger group size G leads to better model accuracy", "G8", "G2"),
+        Finding("Fig. 5: training with G = 4 outperforms G = 2", "G4", "G2"),
         Finding("Fig. 5(b): a smaller G leads to higher KL divergence to the reference policy", "G2", "G8",
                 "losses/kl_ref")),
-    "kl": (  # beta = 0.0075 and 0.01 are both "the best", 0.04 the worst; 0.01 is GRPO's default here and in the paper
+    "kl": (  # beta = 0.0075 and 0.01 are both "the best", 0.04 the worst; 0.01 is GRPO's default here
         Finding("Fig. 6(a): a moderate beta yields the best accuracy; beta = 0.04 significantly degrades it",
                 "beta-0.01", "beta-0.04"),
         Finding("Fig. 6(b): as beta increases, the KL divergence to the reference policy decreases", "beta-0.0075",
-                "beta-0.04", "losses/kl_ref")),  # beta = 0 loads no reference model and logs 0
+                "beta-0.04", "losses/kl_ref"),  # beta = 0 loads no reference model and logs 0
+        Finding("Fig. 6(c), section 3.7: as beta decreased, GRPO generated shorter responses", "beta-0.04",
+                "beta-0.0075", "charts/response_length"),
+        Finding("Fig. 6(d): smaller KL coefficients correspond to larger policy gradient magnitudes", "beta-0.0075",
+                "beta-0.04", "losses/grad_norm")),
     "loss-aggregation": (
         Finding("Section 3.4: the token-level loss consistently yields longer responses", "token-level",
                 "sample-level", "charts/response_length"),),
@@ -454,7 +462,11 @@ FINDINGS = {
     "dapo-group-size": (  # G8 and G2-beta0 differ in G alone: DAPO's beta is 0
         Finding("Fig. 8(a): a larger group size leads to higher model accuracy", "G8", "G2-beta0"),
         Finding("Fig. 8(b): at G = 2 without KL, responses are noticeably shorter than with a KL penalty",
-                "G2-beta0.01", "G2-beta0", "charts/response_length")),
+                "G2-beta0.01", "G2-beta0", "charts/response_length"),
+        Finding("Fig. 8(b): at G = 2 without KL, responses are noticeably shorter than at larger group sizes", "G8",
+                "G2-beta0", "charts/response_length"),
+        Finding("Fig. 8(c): at G = 2 without KL, the new policy deviates substantially from the old policy",
+                "G2-beta0", "G8", "losses/approx_kl")),
 }
 
 

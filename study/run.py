@@ -214,10 +214,12 @@ def steps_logged(folder: Path) -> int:
     return max((row["step"] for row in read_rows(folder)), default=0) if (folder / "metrics.jsonl").is_file() else 0
 
 
-def finished(folder: Path) -> bool:
-    """Did the run log every step its args.json asks for (`num_steps`, which every script writes)?"""
+def finished(folder: Path, rows: list[dict] | None = None) -> bool:
+    """Did the run log every step its args.json asks for (`num_steps`, which every script writes)? `rows`: its
+    metrics, when already read."""
     num_steps = bookkeeping.read_json_object(folder / "args.json").get("num_steps")
-    return bool(num_steps) and steps_logged(folder) >= num_steps
+    logged = steps_logged(folder) if rows is None else max((row["step"] for row in rows), default=0)
+    return bool(num_steps) and logged >= num_steps
 
 
 def not_a_start(folder: Path) -> list[str]:
@@ -483,7 +485,7 @@ def finished_values(runs: list[tuple[Path, list[dict]]], metric: str) -> list[fl
             values = [r[metric] for r in rows if metric in r][-1:]
         else:
             values = [r[metric] for r in rows if metric in r and r["step"] >= 1][-TAIL:]
-        if values and finished(folder):
+        if values and finished(folder, rows):
             by_seed[folder.name.split("__")[1]] = fmean(values)
     return list(by_seed.values())
 

@@ -69,7 +69,7 @@ CPU_SCRIPT = {  # 32 completions per step for every algorithm, over 16 prompts (
 }
 
 # experiment -> (what the paper shows, [(variant name, script, flags over the scale's script defaults)])
-CPU_ONLY = {"ladder"}  # the paper trains on the hub dataset: task difficulty is a CPU-scale knob
+CPU_ONLY = {"ladder", "harder-rung"}  # the paper trains on the hub dataset: task difficulty is a CPU-scale knob
 EXPERIMENTS = {
     "ladder": ("Ladder: GRPO from the warm start on rungs of generated tasks (held-out best constant in brackets)", [
         ("rung1-2nums-plus", "grpo", dict(task_operators="+")),                                  # 100%: a sanity check
@@ -81,6 +81,8 @@ EXPERIMENTS = {
                                         task_operators="+-*/", max_new_tokens=64))]),             # 12%
     "algorithms": ("Table 3 / section 4: PPO vs GRPO vs DAPO (no dynamic sampling) at the same number of steps", [
         ("grpo", "grpo", {}), ("dapo", "dapo", {}), ("ppo", "ppo", {})]),
+    "harder-rung": ("The three algorithms on the ladder's rung 3: two numbers up to 20, `+ - *` (best constant 34%)", [
+        (name, name, dict(task_operators="+-*")) for name in ("grpo", "dapo", "ppo")]),
     "entropy": ("Fig. 3: PPO with and without an entropy bonus (c2 = 0.001, verl's former default; "
                 "the paper gives no value)", [
         ("ent-0", "ppo", dict(ent_coef=0.0)), ("ent-0.001", "ppo", dict(ent_coef=0.001))]),
@@ -105,9 +107,10 @@ EXPERIMENTS = {
 
 @dataclass
 class Args:
-    experiment: tyro.conf.Positional[Literal["all", "ladder", "algorithms", "entropy", "learning-rate", "group-size",
-                                             "kl", "loss-aggregation", "dynamic-sampling", "dapo-group-size"]]
-    """which figure of the paper's section 3 (or `all`)"""
+    experiment: tyro.conf.Positional[Literal["all", "ladder", "algorithms", "harder-rung", "entropy", "learning-rate",
+                                             "group-size", "kl", "loss-aggregation", "dynamic-sampling",
+                                             "dapo-group-size"]]
+    """which figure of the paper's section 3, a CPU-scale experiment (`ladder`, `harder-rung`), or `all`"""
     scale: Literal["cpu", "paper"] = "cpu"
     """`paper`: the paper's model, data and batch (GPUs); `cpu`: the bundled model, warm-started, a 2-number rung"""
     dry_run: bool = False
@@ -540,7 +543,7 @@ def main(args: Args) -> int:
     experiments = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
     if args.scale == "paper":
         common.require(args.experiment not in CPU_ONLY, "experiment", args.experiment,
-                       "a figure of the paper (the ladder of generated tasks is a CPU-scale experiment)")
+                       "a figure of the paper (`ladder` and `harder-rung` train on generated tasks: CPU scale only)")
         experiments = [e for e in experiments if e not in CPU_ONLY]
     known = {v for e in experiments for v, _, _ in EXPERIMENTS[e][1]}
     common.require(set(args.only) <= known, "only", list(args.only), f"variants of {args.experiment}: {sorted(known)}")

@@ -88,8 +88,9 @@ EXPERIMENTS = {
         ("ent-0", "ppo", dict(ent_coef=0.0)), ("ent-0.001", "ppo", dict(ent_coef=0.001))]),
     "learning-rate": ("Fig. 4: PPO at the scale's learning rate and 10x it (the paper does not give the larger one)", [
         ("lr-base", "ppo", {}), ("lr-10x", "ppo", dict(learning_rate_scale=10.0))]),
-    "group-size": ("Fig. 5: GRPO with G = 2, 4, 8 (same prompts per step)", [
-        (f"G{g}", "grpo", dict(group_size=g)) for g in (2, 4, 8)]),
+    "group-size": ("Fig. 5: GRPO with G = 2, 4, 8 at the same prompts per step, and G = 4, 8 at G = 2's completions "
+                   "per step", [(f"G{g}", "grpo", dict(group_size=g)) for g in (2, 4, 8)] + [
+        (f"G{g}-same-completions", "grpo", dict(group_size=g, prompts_per_step_scale=2 / g)) for g in (4, 8)]),
     "kl": ("Fig. 6: GRPO with beta = 0, 0.0075, 0.01, 0.04", [
         (f"beta-{b}", "grpo", dict(beta=b)) for b in (0.0, 0.0075, 0.01, 0.04)]),
     "loss-aggregation": ("Section 3.4: GRPO's sample-level loss vs the same run with DAPO's token-level loss "
@@ -156,6 +157,8 @@ def run_commands(args: Args, experiment: str) -> list[tuple[str, list[str]]]:
                 flags["num_steps"] = args.steps
             if "learning_rate_scale" in flags:
                 flags["learning_rate"] = flags["learning_rate"] * flags.pop("learning_rate_scale")
+            if "prompts_per_step_scale" in flags:
+                flags["prompts_per_step"] = round(flags["prompts_per_step"] * flags.pop("prompts_per_step_scale"))
             flags.update(exp_name=variant, seed=seed, runs_dir=str(out_dir))
             state, folder = run_state(out_dir, variant, flags["num_steps"], seed, args.dry_run)
             if state == "finished":

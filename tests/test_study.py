@@ -51,6 +51,19 @@ def test_every_study_command_passes_its_scripts_flag_checks(experiment, scale, t
     assert len({repr({k: v for k, v in flat_args(p).items() if k != "exp_name"}) for p in parsed}) == len(parsed)
 
 
+@pytest.mark.parametrize("scale", ["paper", "cpu"])
+def test_group_size_compares_at_the_same_prompts_and_at_the_same_completions_per_step(scale, tmp_path):
+    """Fig. 5 holds prompts per step; the issue also asks for G at G = 2's completions per step."""
+    commands = study.run_commands(script_args(study, experiment="group-size", scale=scale, root=str(tmp_path),
+                                              dry_run=True), "group-size")
+    runs = {variant: tyro.cli(grpo.Args, args=cmd[2:]) for variant, cmd in commands}
+    prompts = {v: a.prompts_per_step for v, a in runs.items()}
+    completions = {v: a.prompts_per_step * a.group_size for v, a in runs.items()}
+    assert prompts["G2"] == prompts["G4"] == prompts["G8"]
+    assert completions["G2"] == completions["G4-same-completions"] == completions["G8-same-completions"]
+    assert [runs[v].group_size for v in ("G4-same-completions", "G8-same-completions")] == [4, 8]
+
+
 def test_a_stopped_study_skips_finished_runs_and_resumes_unfinished_ones(tiny_model_dir, tmp_path):
     out_dir = tmp_path / "cpu" / "group-size"
     grpo.train(tiny_args(grpo, model=tiny_model_dir, num_steps=2, test_size=2, save_every=1, runs_dir=str(out_dir),

@@ -64,6 +64,14 @@ def test_group_size_compares_at_the_same_prompts_and_at_the_same_completions_per
     assert [runs[v].group_size for v in ("G4-same-completions", "G8-same-completions")] == [4, 8]
 
 
+def test_the_harder_rungs_grpo_run_is_the_ladders_rung_3():
+    """study/README promises that one run serves both (a link), so their commands must train the same."""
+    args = script_args(study, experiment="all", root="/nonexistent", dry_run=True)
+    (_, harder), = [c for c in study.run_commands(args, "harder-rung") if c[0] == "grpo"]
+    (_, rung3), = [c for c in study.run_commands(args, "ladder") if c[0] == "rung3-2nums-plusminustimes"]
+    assert study.training_flags(harder) == study.training_flags(rung3)
+
+
 def test_a_stopped_study_skips_finished_runs_and_resumes_unfinished_ones(tiny_model_dir, tmp_path):
     out_dir = tmp_path / "cpu" / "group-size"
     grpo.train(tiny_args(grpo, model=tiny_model_dir, num_steps=2, test_size=2, save_every=1, runs_dir=str(out_dir),
@@ -97,7 +105,6 @@ def test_a_stopped_study_skips_finished_runs_and_resumes_unfinished_ones(tiny_mo
 def test_an_orphan_variant_is_replaced_and_a_seed_is_a_run_of_its_own(tiny_model_dir, tmp_path):
     """A run stopped before its first checkpoint leaves a folder; the study removes it instead of starting a
     second folder beside it (the figure listed the variant twice); each seed is its own run."""
-
     out_dir = tmp_path / "cpu" / "group-size"
     orphan = out_dir / "G2__1__1700000000"
     orphan.mkdir(parents=True)
@@ -175,9 +182,12 @@ def test_a_run_another_experiment_made_is_linked_not_run_again(tiny_model_dir, t
         commands("group-size", only=("G2",), steps=3)
     assert [label for label, _ in commands("loss-aggregation", only=("sample-level",), steps=3)] == ["sample-level"]
     assert not (tmp_path / "cpu" / "loss-aggregation").exists()  # the study made no folder for it: it runs there
+    pilot = tmp_path / "cpu" / "pilots" / earlier.name  # the same run outside the study's experiments
+    shutil.copytree(earlier, pilot)
     saved = json.loads((earlier / "args.json").read_text())
     (earlier / "args.json").write_text(json.dumps({**saved, "learning_rate": 2e-3}))  # made with other flags
     assert [label for label, _ in commands("kl", only=("beta-0.01",))] == ["beta-0.01"]
+    shutil.rmtree(pilot)
     (earlier / "args.json").write_text(json.dumps(saved))
     # the link is relative: a clone (here a moved folder) keeps it, and the summary reads through it
     shutil.move(tmp_path / "cpu", tmp_path / "clone")
@@ -231,7 +241,6 @@ def test_the_readme_quick_start_is_the_studys_grpo_run():
 
 
 def test_the_operator_table_reads_each_runs_final_evaluation(tmp_path):
-
     run = tmp_path / "grpo__1__1700000000"
     run.mkdir()
     record = {"greedy_accuracy": 0.75, "by_operator_class": {
@@ -246,7 +255,6 @@ def test_the_operator_table_reads_each_runs_final_evaluation(tmp_path):
 def fake_run(out_dir, variant, seed, value, metric="charts/eval_accuracy", num_steps=10, last_step=10):
     """A run folder as the scripts leave it, without a model: args.json and two metrics rows, the metric at
     step 0 (0.0, which the verdict must not read) and at `last_step`."""
-
     folder = out_dir / f"{variant}__{seed}__1700000000"
     folder.mkdir(parents=True)
     (folder / "args.json").write_text(json.dumps({"num_steps": num_steps}))
@@ -258,7 +266,6 @@ def fake_run(out_dir, variant, seed, value, metric="charts/eval_accuracy", num_s
 def test_the_summary_gives_the_share_of_groups_that_carried_no_gradient(tmp_path):
     """GRPO and DAPO log each step's share of groups with equal rewards; the summary gives its mean over every
     step of every seed (0.25 and 0.75 in seed 1, 1.0 in seed 2: 2/3), and "-" for PPO, which has no groups."""
-
     for variant, seed, shares in (("grpo", 1, (0.25, 0.75)), ("grpo", 2, (1.0,)), ("ppo", 1, ())):
         fake_run(tmp_path, variant, seed, 0.5)
         rows = [{"step": step, "time/step": 1.0, "charts/response_length": 30.0, "charts/zero_std_fraction": share}
@@ -272,7 +279,6 @@ def test_the_summary_gives_the_share_of_groups_that_carried_no_gradient(tmp_path
 
 def test_the_summary_gives_each_runs_accuracy_per_step_above_its_baselines(tmp_path):
     """One row per run, then one row per baseline value naming the variants evaluated on those tasks."""
-
     for variant, seed, constant in (("grpo", 1, 0.5), ("grpo", 2, 0.5), ("rung1", 1, 1.0)):
         folder = tmp_path / f"{variant}__{seed}__1700000000"
         folder.mkdir()
@@ -355,7 +361,6 @@ def test_every_finding_compares_two_variants_of_its_experiment_on_a_metric_their
 
 
 def test_a_training_quantity_is_read_as_its_last_steps_mean_an_evaluation_as_its_last_value(tmp_path):
-
     folder = tmp_path / "x" / "G2__1__1700000000"
     folder.mkdir(parents=True)
     (folder / "args.json").write_text(json.dumps({"num_steps": 20}))

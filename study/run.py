@@ -221,15 +221,19 @@ def run_folders(out_dir: Path, variant: str, seed: int = 1) -> list[Path]:
                   key=lambda p: p.name.split("__")[-1])
 
 
+def last_step(rows: list[dict]) -> int:
+    return max((row["step"] for row in rows), default=0)
+
+
 def steps_logged(folder: Path) -> int:
-    return max((row["step"] for row in read_rows(folder)), default=0) if (folder / "metrics.jsonl").is_file() else 0
+    return last_step(read_rows(folder)) if (folder / "metrics.jsonl").is_file() else 0
 
 
 def finished(folder: Path, rows: list[dict] | None = None) -> bool:
     """Did the run log every step its args.json asks for (`num_steps`, which every script writes)? `rows`: its
     metrics, when already read."""
     num_steps = bookkeeping.read_json_object(folder / "args.json").get("num_steps")
-    logged = steps_logged(folder) if rows is None else max((row["step"] for row in rows), default=0)
+    logged = steps_logged(folder) if rows is None else last_step(rows)
     return bool(num_steps) and logged >= num_steps
 
 

@@ -25,10 +25,12 @@ import importlib
 import json
 import math
 import os
+import random
 import shlex
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import fmean
@@ -415,15 +417,43 @@ def eval_step_table(runs_of: Runs, per_seed: bool = False) -> str:
     return "\n".join(lines)
 
 
+def independence_p(by_class: dict, permutations: int = 9999, seed: int = 0) -> float:
+    """p-value of "the chosen operator does not depend on the right one" for evaluate.py's by_operator_class
+    counts: a permutation test of the contingency table's chi-square (the right operators shuffled over the
+    tasks, margins fixed; Monte Carlo, so the smallest p it gives is 1 / (permutations + 1)). For two classes
+    of equal size it estimates the two-sided Fisher exact test."""
+    right = [cls for cls, entry in by_class.items() for op, n in entry["chosen"].items() for _ in range(n)]
+    chosen = [op for entry in by_class.values() for op, n in entry["chosen"].items() for _ in range(n)]
+    row, col = Counter(right), Counter(chosen)
+    if len(row) < 2 or len(col) < 2:
+        return 1.0  # one class or one answer: nothing to depend on
+
+    def statistic(labels: list[str]) -> float:  # chi-square / N + 1, monotone in chi-square at fixed margins
+        return sum(n * n / (row[r] * col[c]) for (r, c), n in Counter(zip(labels, chosen)).items())
+
+    observed, shuffled, rng = statistic(right), list(right), random.Random(seed)
+    hits = 0
+    for _ in range(permutations):
+        rng.shuffle(shuffled)
+        hits += statistic(shuffled) >= observed - 1e-12
+    return (hits + 1) / (permutations + 1)
+
+
 def operator_table(out_dir: Path) -> str:
-    """From each run's FINAL_EVAL: held-out greedy accuracy per operator class of the right answer, and which
-    operators the policy chose for it. A policy that reads the target chooses differently per class."""
-    lines = ["| run | right operator | tasks | accuracy | chosen (count) |", "|---|---|---|---|---|"]
+    """From each run's FINAL_EVAL: held-out greedy accuracy per operator class of the right answer, which
+    operators the policy chose for it, and (on the run's first row) the p-value that the choice does not
+    depend on the right operator. A policy that reads the target chooses differently per class."""
+    lines = ["| run | right operator | tasks | accuracy | chosen (count) | p, choice independent of the right operator |",
+             "|---|---|---|---|---|---|"]
     for folder in sorted(out_dir.glob(f"*__*/{FINAL_EVAL}")):
         rows = [json.loads(line) for line in folder.read_text().splitlines() if line.strip()]
-        for cls, entry in (rows[-1].get("by_operator_class") or {}).items() if rows else ():
+        by_class = (rows[-1].get("by_operator_class") or {}) if rows else {}
+        for i, (cls, entry) in enumerate(by_class.items()):
             chosen = ", ".join(f"`{op}` {n}" for op, n in sorted(entry["chosen"].items(), key=lambda kv: -kv[1]))
-            lines.append(f"| {folder.parent.name} | `{cls}` | {entry['tasks']} | {entry['accuracy']:.3f} | {chosen} |")
+            p = independence_p(by_class) if i == 0 else None
+            p = "" if p is None else "<= 0.0001" if p <= 1 / 10000 else f"{p:.4f}"  # 0.0001: no shuffle reached it
+            lines.append(f"| {folder.parent.name} | `{cls}` | {entry['tasks']} | {entry['accuracy']:.3f} | {chosen} "
+                         f"| {p} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 

@@ -4,6 +4,7 @@ import errno
 import importlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import sys
@@ -248,8 +249,38 @@ def test_the_operator_table_reads_each_runs_final_evaluation(tmp_path):
         "-": {"tasks": 2, "accuracy": 0.5, "chosen": {"+": 1, "-": 1}}}}
     (run / study.FINAL_EVAL).write_text(json.dumps(record) + "\n")
     lines = study.operator_table(tmp_path).splitlines()
-    assert lines[2:] == ["| grpo__1__1700000000 | `+` | 2 | 1.000 | `+` 2 |",
-                         "| grpo__1__1700000000 | `-` | 2 | 0.500 | `+` 1, `-` 1 |"]
+    p = study.independence_p(record["by_operator_class"])  # 2 tasks per class: far from the 0.0001 floor
+    assert lines[2:] == [f"| grpo__1__1700000000 | `+` | 2 | 1.000 | `+` 2 | {p:.4f} |",
+                         "| grpo__1__1700000000 | `-` | 2 | 0.500 | `+` 1, `-` 1 |  |"]
+
+
+def fisher_two_sided(star_on_products: int, star_on_sums: int, per_class: int = 64) -> float:
+    """The exact two-sided Fisher test of a 2 x 2 table, written out as a reference for the permutation test."""
+    total = star_on_products + star_on_sums
+    def prob(k):
+        if not (0 <= k <= per_class and 0 <= total - k <= per_class):
+            return 0.0
+        return math.comb(per_class, k) * math.comb(per_class, total - k) / math.comb(2 * per_class, total)
+    return sum(prob(k) for k in range(total + 1) if prob(k) <= prob(star_on_products) * (1 + 1e-9))
+
+
+@pytest.mark.parametrize("star_on_products, star_on_sums", [(15, 9), (27, 15), (42, 18)])
+def test_the_operator_independence_test_agrees_with_fishers_exact_test(star_on_products, star_on_sums):
+    by_class = {"*": {"tasks": 64, "chosen": {"*": star_on_products, "+": 64 - star_on_products}},
+                "+": {"tasks": 64, "chosen": {"*": star_on_sums, "+": 64 - star_on_sums}}}
+    exact = fisher_two_sided(star_on_products, star_on_sums)
+    estimate = study.independence_p(by_class)
+    # Monte Carlo error of 9,999 permutations: 4 standard deviations, and the 1/10,000 floor
+    assert abs(estimate - exact) <= 4 * math.sqrt(exact * (1 - exact) / 9999) + 1e-4, (estimate, exact)
+
+
+def test_a_choice_that_ignores_the_right_operator_is_not_called_dependent():
+    same = {"*": 30, "+": 30, "-": 4}
+    by_class = {cls: {"tasks": 64, "chosen": dict(same)} for cls in "+-*"}
+    assert study.independence_p(by_class) == 1.0  # the least chi-square there is: every shuffle reaches it
+    follows = {cls: {"tasks": 64, "chosen": {cls: 60, "+" if cls != "+" else "*": 4}} for cls in "+-*"}
+    assert study.independence_p(follows) == 1 / 10000  # no shuffle of 192 tasks comes close
+    assert study.independence_p({"+": {"tasks": 64, "chosen": {"+": 64}}}) == 1.0  # one class: nothing to test
 
 
 def fake_run(out_dir, variant, seed, value, metric="charts/eval_accuracy", num_steps=10, last_step=10):

@@ -32,6 +32,7 @@ import subprocess
 import sys
 from collections import Counter
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from statistics import fmean
 from typing import Literal
@@ -417,41 +418,72 @@ def eval_step_table(runs_of: Runs, per_seed: bool = False) -> str:
     return "\n".join(lines)
 
 
-def independence_p(by_class: dict, permutations: int = 9999, seed: int = 0) -> float:
-    """p-value of "the chosen operator does not depend on the right one" for evaluate.py's by_operator_class
-    counts: a permutation test of the contingency table's chi-square (the right operators shuffled over the
-    tasks, margins fixed; Monte Carlo, so the smallest p it gives is 1 / (permutations + 1)). For two classes
-    of equal size it estimates the two-sided Fisher exact test."""
-    right = [cls for cls, entry in by_class.items() for op, n in entry["chosen"].items() for _ in range(n)]
-    chosen = [op for entry in by_class.values() for op, n in entry["chosen"].items() for _ in range(n)]
-    row, col = Counter(right), Counter(chosen)
-    if len(row) < 2 or len(col) < 2:
+def independence_p(by_class: dict, exact: bool | None = None, permutations: int = 9999, seed: int = 0) -> float:
+    """p-value of the null "the chosen operator does not depend on the right one", from evaluate.py's
+    by_operator_class counts: a permutation test of the contingency table's chi-square (the right operators
+    shuffled over the tasks, both margins fixed). `exact` (the default for two classes) sums the probability of
+    every table with those margins; otherwise 9,999 random shuffles estimate it (the smallest p is then
+    1 / 10,000). For a 2 x 2 table with classes of equal size this is Fisher's two-sided exact test."""
+    table = {cls: {op: n for op, n in entry["chosen"].items() if n > 0} for cls, entry in by_class.items()}
+    table = {cls: chosen for cls, chosen in table.items() if chosen}
+    ops = sorted({op for chosen in table.values() for op in chosen})
+    if len(table) < 2 or len(ops) < 2:
         return 1.0  # one class or one answer: nothing to depend on
+    rows = [sum(chosen.values()) for chosen in table.values()]
+    cols = [sum(chosen.get(op, 0) for chosen in table.values()) for op in ops]
+    if exact if exact is not None else len(table) == 2:
+        return _two_class_exact_p([[chosen.get(op, 0) for op in ops] for chosen in table.values()], cols)
+    right = [cls for cls, chosen in table.items() for n in chosen.values() for _ in range(n)]
+    chosen_ops = [op for chosen in table.values() for op, n in chosen.items() for _ in range(n)]
+    weight = {(cls, op): 1 / (r * c) for cls, r in zip(table, rows) for op, c in zip(ops, cols)}
 
-    def statistic(labels: list[str]) -> float:  # chi-square / N + 1, monotone in chi-square at fixed margins
-        return sum(n * n / (row[r] * col[c]) for (r, c), n in Counter(zip(labels, chosen)).items())
+    def statistic(labels: list[str]) -> float:  # chi-square / N + 1: monotone in chi-square at fixed margins
+        return sum(n * n * weight[cell] for cell, n in Counter(zip(labels, chosen_ops)).items())
 
     observed, shuffled, rng = statistic(right), list(right), random.Random(seed)
     hits = 0
     for _ in range(permutations):
         rng.shuffle(shuffled)
-        hits += statistic(shuffled) >= observed - 1e-12
+        hits += statistic(shuffled) >= observed - 1e-12  # the same table summed in another order
     return (hits + 1) / (permutations + 1)
+
+
+def _two_class_exact_p(table: list[list[int]], cols: list[int]) -> float:
+    """independence_p for two classes, exactly: every first row with the column sums `cols`, weighted by its
+    hypergeometric count, in exact fractions (no ties lost to rounding)."""
+    first_total, second_total = sum(table[0]), sum(table[1])
+
+    def statistic(first: list[int]) -> Fraction:
+        return sum(Fraction(a * a, first_total * c) + Fraction((c - a) ** 2, second_total * c)
+                   for a, c in zip(first, cols))
+
+    def first_rows(i: int, left: int):
+        if i == len(cols) - 1:
+            if left <= cols[i]:
+                yield [left]
+            return
+        for a in range(max(0, left - sum(cols[i + 1:])), min(cols[i], left) + 1):
+            for rest in first_rows(i + 1, left - a):
+                yield [a, *rest]
+
+    observed = statistic(table[0])
+    ways = sum(math.prod(math.comb(c, a) for a, c in zip(first, cols))
+               for first in first_rows(0, first_total) if statistic(first) >= observed)
+    return ways / math.comb(first_total + second_total, first_total)
 
 
 def operator_table(out_dir: Path) -> str:
     """From each run's FINAL_EVAL: held-out greedy accuracy per operator class of the right answer, which
-    operators the policy chose for it, and (on the run's first row) the p-value that the choice does not
-    depend on the right operator. A policy that reads the target chooses differently per class."""
-    lines = ["| run | right operator | tasks | accuracy | chosen (count) | p, choice independent of the right operator |",
+    operators the policy chose for it, and (on the run's first row) independence_p: small when the choice
+    depends on the right operator, as it does for a policy that reads the target."""
+    lines = ["| run | right operator | tasks | accuracy | chosen (count) | p (null: choice independent of it) |",
              "|---|---|---|---|---|---|"]
     for folder in sorted(out_dir.glob(f"*__*/{FINAL_EVAL}")):
         rows = [json.loads(line) for line in folder.read_text().splitlines() if line.strip()]
         by_class = (rows[-1].get("by_operator_class") or {}) if rows else {}
         for i, (cls, entry) in enumerate(by_class.items()):
             chosen = ", ".join(f"`{op}` {n}" for op, n in sorted(entry["chosen"].items(), key=lambda kv: -kv[1]))
-            p = independence_p(by_class) if i == 0 else None
-            p = "" if p is None else "<= 0.0001" if p <= 1 / 10000 else f"{p:.4f}"  # 0.0001: no shuffle reached it
+            p = f"{independence_p(by_class):.2g}" if i == 0 else ""
             lines.append(f"| {folder.parent.name} | `{cls}` | {entry['tasks']} | {entry['accuracy']:.3f} | {chosen} "
                          f"| {p} |")
     return "\n".join(lines) if len(lines) > 2 else ""

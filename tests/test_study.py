@@ -249,13 +249,13 @@ def test_the_operator_table_reads_each_runs_final_evaluation(tmp_path):
         "-": {"tasks": 2, "accuracy": 0.5, "chosen": {"+": 1, "-": 1}}}}
     (run / study.FINAL_EVAL).write_text(json.dumps(record) + "\n")
     lines = study.operator_table(tmp_path).splitlines()
-    p = study.independence_p(record["by_operator_class"])  # 2 tasks per class: far from the 0.0001 floor
-    assert lines[2:] == [f"| grpo__1__1700000000 | `+` | 2 | 1.000 | `+` 2 | {p:.4f} |",
+    # the two classes' tables are mirror images of each other: every table with these margins is as extreme
+    assert lines[2:] == ["| grpo__1__1700000000 | `+` | 2 | 1.000 | `+` 2 | 1 |",
                          "| grpo__1__1700000000 | `-` | 2 | 0.500 | `+` 1, `-` 1 |  |"]
 
 
 def fisher_two_sided(star_on_products: int, star_on_sums: int, per_class: int = 64) -> float:
-    """The exact two-sided Fisher test of a 2 x 2 table, written out as a reference for the permutation test."""
+    """Fisher's exact two-sided test of a 2 x 2 table, written out: the tables as likely as the observed or less."""
     total = star_on_products + star_on_sums
     def prob(k):
         if not (0 <= k <= per_class and 0 <= total - k <= per_class):
@@ -264,14 +264,23 @@ def fisher_two_sided(star_on_products: int, star_on_sums: int, per_class: int = 
     return sum(prob(k) for k in range(total + 1) if prob(k) <= prob(star_on_products) * (1 + 1e-9))
 
 
-@pytest.mark.parametrize("star_on_products, star_on_sums", [(15, 9), (27, 15), (42, 18)])
-def test_the_operator_independence_test_agrees_with_fishers_exact_test(star_on_products, star_on_sums):
+@pytest.mark.parametrize("star_on_products, star_on_sums", [(15, 9), (27, 15), (42, 18), (58, 4)])
+def test_two_classes_of_equal_size_get_fishers_exact_test(star_on_products, star_on_sums):
     by_class = {"*": {"tasks": 64, "chosen": {"*": star_on_products, "+": 64 - star_on_products}},
                 "+": {"tasks": 64, "chosen": {"*": star_on_sums, "+": 64 - star_on_sums}}}
-    exact = fisher_two_sided(star_on_products, star_on_sums)
-    estimate = study.independence_p(by_class)
-    # Monte Carlo error of 9,999 permutations: 4 standard deviations, and the 1/10,000 floor
-    assert abs(estimate - exact) <= 4 * math.sqrt(exact * (1 - exact) / 9999) + 1e-4, (estimate, exact)
+    assert study.independence_p(by_class) == pytest.approx(fisher_two_sided(star_on_products, star_on_sums),
+                                                           rel=1e-9)
+
+
+def test_the_shuffled_estimate_agrees_with_the_exact_sum_on_unequal_classes():
+    """Unequal classes and three answers, where the chi-square's weights decide which tables count as extreme:
+    the random shuffles (any number of classes) and the exact sum (two classes) are two separate computations."""
+    by_class = {"+": {"tasks": 28, "chosen": {"+": 20, "*": 5, "none": 3}},
+                "*": {"tasks": 19, "chosen": {"+": 8, "*": 10, "none": 1}}}
+    exact = study.independence_p(by_class, exact=True)
+    estimate = study.independence_p(by_class, exact=False)
+    assert 0.01 < exact < 0.2  # a p the shuffles can resolve
+    assert abs(estimate - exact) <= 4 * math.sqrt(exact * (1 - exact) / 9999), (estimate, exact)
 
 
 def test_a_choice_that_ignores_the_right_operator_is_not_called_dependent():
@@ -279,8 +288,10 @@ def test_a_choice_that_ignores_the_right_operator_is_not_called_dependent():
     by_class = {cls: {"tasks": 64, "chosen": dict(same)} for cls in "+-*"}
     assert study.independence_p(by_class) == 1.0  # the least chi-square there is: every shuffle reaches it
     follows = {cls: {"tasks": 64, "chosen": {cls: 60, "+" if cls != "+" else "*": 4}} for cls in "+-*"}
-    assert study.independence_p(follows) == 1 / 10000  # no shuffle of 192 tasks comes close
+    assert study.independence_p(follows) == 1 / 10000  # no shuffle of 192 tasks comes close: the floor
     assert study.independence_p({"+": {"tasks": 64, "chosen": {"+": 64}}}) == 1.0  # one class: nothing to test
+    assert study.independence_p({"+": {"tasks": 64, "chosen": {"+": 64}},
+                                 "*": {"tasks": 64, "chosen": {"+": 64}}}) == 1.0  # one answer everywhere
 
 
 def fake_run(out_dir, variant, seed, value, metric="charts/eval_accuracy", num_steps=10, last_step=10):

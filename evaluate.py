@@ -142,11 +142,11 @@ def check_args(args: Args) -> None:
 
 
 def sampled_scores(backend, tokenizer, tasks: list[dict], args: Args, world: common.Dist) -> dict:
-    """Accuracy of every sampled completion, and pass@k for k = 1, 2, 4, ... up to --samples."""
+    """Accuracy and format rate of every sampled completion, and pass@k for k = 1, 2, 4, ... up to --samples."""
     mine, padded = common.shard_tasks(tasks, world)
     batch = max(1, args.batch_size // args.samples)
     ks = sorted({2**i for i in range(int(math.log2(args.samples)) + 1)} | {args.samples})
-    totals = [0.0] * (1 + len(ks))
+    totals = [0.0] * (2 + len(ks))  # accuracy, pass@k..., format rate
     for i in range(0, len(padded), batch):
         chunk = padded[i:i + batch]
         rollout = backend.generate([common.make_prompt(tokenizer, t, args.prompt_template) for t in chunk],
@@ -154,7 +154,8 @@ def sampled_scores(backend, tokenizer, tasks: list[dict], args: Args, world: com
                                    seed=common.generation_seed(args.seed, 0, world.rank, batch=i))
         real = max(0, min(len(chunk), len(mine) - i))
         group_tasks = [t for t in chunk[:real] for _ in range(args.samples)]
-        _, correct, _ = common.countdown_rewards(rollout.texts[:len(group_tasks)], group_tasks, 0.0, 1.0)
+        _, correct, well_formed = common.countdown_rewards(rollout.texts[:len(group_tasks)], group_tasks, 0.0, 1.0)
+        totals[-1] += sum(well_formed) / args.samples
         for g in range(real):
             c = int(sum(correct[g * args.samples:(g + 1) * args.samples]))
             totals[0] += c / args.samples
@@ -162,7 +163,8 @@ def sampled_scores(backend, tokenizer, tasks: list[dict], args: Args, world: com
                 totals[1 + j] += pass_at_k(args.samples, c, k)
     totals = common.all_reduce_sum(totals, world)
     n = max(len(tasks), 1)
-    return {"sampled_accuracy": totals[0] / n, **{f"pass@{k}": totals[1 + j] / n for j, k in enumerate(ks)}}
+    return {"sampled_accuracy": totals[0] / n, "sampled_format_rate": totals[-1] / n,
+            **{f"pass@{k}": totals[1 + j] / n for j, k in enumerate(ks)}}
 
 
 def answer_operators(text: str) -> str:

@@ -7,6 +7,7 @@ import math
 import pytest
 
 import bookkeeping
+import common
 import evaluate
 import grpo
 from conftest import as_flags, read_metrics, run_script, tiny_args
@@ -66,6 +67,35 @@ def test_sampled_pass_at_k_is_reported_and_bounded(tiny_model_dir):
     assert set(scored) >= {"pass@1", "pass@2", "pass@3", "sampled_accuracy"}
     assert scored["pass@1"] == pytest.approx(scored["sampled_accuracy"])  # pass@1 is the mean accuracy
     assert all(0.0 <= scored[f"pass@{k}"] <= 1.0 and math.isfinite(scored[f"pass@{k}"]) for k in (1, 2, 3))
+    assert scored["sampled_format_rate"] == 0.0  # 4 random tokens never close an <answer> tag
+
+
+class ScriptedSamples:
+    """Stands in for the model where only the counting is under test: each prompt's samples are given texts."""
+
+    def __init__(self, texts_per_prompt):
+        self.texts_per_prompt, self.calls = list(texts_per_prompt), 0
+
+    def generate(self, prompts, num_samples, *args, **kwargs):
+        texts = [t for _ in prompts for t in self.texts_per_prompt.pop(0)]
+        assert len(texts) == len(prompts) * num_samples
+        self.calls += 1
+        return type("Rollout", (), {"texts": texts})
+
+
+def test_sampled_format_rate_and_accuracy_count_every_sample(tiny_model_dir):
+    """Two tasks x 4 samples in one generate call (batch 8 // 4): the first task's samples are 2
+    right, 1 well-formed but wrong, 1 malformed; the second's 1 well-formed but wrong and 3 malformed."""
+    answer = "</think>\n<answer> {} </answer>"
+    tasks = [{"nums": [3, 5], "target": 8}, {"nums": [4, 6], "target": 24}]
+    backend = ScriptedSamples([[answer.format("3 + 5"), answer.format("5 + 3"), answer.format("3 * 5"), "no answer"],
+                               [answer.format("4 + 6"), "<answer> 4 * 6", "", "4 * 6"]])
+    args = evaluate.Args(target="unused", samples=4, batch_size=8, max_new_tokens=8, prompt_template="base")
+    scored = evaluate.sampled_scores(backend, common.load_tokenizer(tiny_model_dir), tasks, args, common.Dist())
+    assert backend.calls == 1
+    assert scored["sampled_format_rate"] == (3 / 4 + 1 / 4) / 2
+    assert scored["sampled_accuracy"] == (2 / 4 + 0 / 4) / 2
+    assert scored["pass@4"] == 1 / 2  # the first task has a right sample, the second none
 
 
 @pytest.mark.parametrize("make,message", [

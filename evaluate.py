@@ -1,5 +1,5 @@
 """Evaluate a model or checkpoint on the held-out Countdown split, with the prompt, template and reward
-that training uses: greedy accuracy and format rate, and pass@k when --samples is set.
+that training uses: greedy accuracy and format rate, and with --samples pass@k and the sampled format rate.
 
     python evaluate.py runs/grpo__1__1764000000                  # a run: its newest checkpoint, its data
     python evaluate.py runs/grpo__1__1764000000/checkpoint-100   # one checkpoint of a run

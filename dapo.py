@@ -42,8 +42,9 @@ class Args:
     seed: int = 1
     """seed of the data order, sampling and initialisation"""
     model: str = common.WARM_MODEL
-    """`bundled-warm` (SmolLM2-135M-Instruct after a format-only warm start, made once), `bundled` (untrained: it
-    almost never writes a well-formed answer), a local HF folder, or a hub id (Qwen/Qwen2.5-1.5B-Instruct)"""
+    """`bundled-warm` (SmolLM2-135M-Instruct after a format-only warm start, made once), `bundled` (untrained: in
+    48 new tokens it almost never writes a well-formed answer), a local HF folder, or a hub id
+    (Qwen/Qwen2.5-1.5B-Instruct)"""
     dataset: str = "generated"
     """`generated` (offline, solvable tasks), a .jsonl/.parquet file with nums and target, or a hub id
     (Jiayi-Pan/Countdown-Tasks-3to4)"""

@@ -7,9 +7,9 @@
 `--scale paper` uses the paper's settings (Qwen2.5-1.5B-Instruct, the Countdown hub dataset, 1,024 new
 tokens, 256 prompts per step, README "The paper's setup"). `--scale cpu` runs the same comparison on the
 bundled SmolLM2-135M-Instruct after study/warm_start.py (a format-only warm start, made once and reused:
-the untrained model almost never writes a well-formed answer) on generated tasks of two numbers up to 20 and
-`+ *`, whose held-out split is half sums and half products (the best constant answer scores 50%),
-shrunk to minutes per run on a 2-core CPU. `--seeds 1 2 3` runs each variant with three seeds.
+in 48 new tokens the untrained model almost never writes a well-formed answer) on generated tasks of two
+numbers up to 20 and `+ *`, whose held-out split is half sums and half products (the best constant answer
+scores 50%), shrunk to about an hour per run on a 2-core CPU. `--seeds 1 2 3` runs each variant with three seeds.
 
 Each experiment writes its runs under `<root>/<scale>/<experiment>/` and its figure beside them
 (`<experiment>.png`, made with plot.py). Runs go one after another; a study that was stopped continues

@@ -2,9 +2,9 @@
 expression is drawn without looking at the target, so that the model learns the format
 (`... </think>\\n<answer> EXPR </answer>`), to restate the target and to use each given number once,
 but nothing about which expression is right. Off in the paper's configuration (the paper starts RL from
-Qwen2.5-1.5B-Instruct); it exists because SmolLM2-135M-Instruct almost never writes a well-formed answer on
-its own (1 of 512 samples on the CPU rung, none right: study/README.md), so nearly every reward is equal and
-GRPO has nothing to learn from.
+Qwen2.5-1.5B-Instruct); it exists because SmolLM2-135M-Instruct almost never writes a well-formed answer
+on its own (1 of 512 samples of 48 tokens on the CPU rung, none right: study/README.md), so nearly every
+reward is equal and GRPO has nothing to learn from.
 
 Each example is a task of 2-4 numbers from 21..99 (disjoint from every CPU rung, whose numbers are at
 most 20) and the completion ` The target is T. I will try EXPR.</think>\\n<answer> EXPR </answer>`, where

@@ -296,10 +296,12 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
                     entropy_bonus = token_mean(entropy, mb(mask), num_tokens)  # eq. 3's S term
                     loss = pg_loss + args.beta * kl - args.ent_coef * entropy_bonus
                     loss.backward()
-                logged = {"losses/policy_loss": pg_loss.item(), "losses/kl_ref": kl.item(),
+                logged = {"losses/policy_loss": pg_loss.item(),
                           "losses/entropy": entropy_bonus.item(),
                           "losses/surrogate": stats["surrogate"], "losses/clipfrac": stats["clipfrac"],
                           "losses/approx_kl": stats["approx_kl"], "charts/ratio": stats["ratio"]}
+                if ref_model is not None:  # beta = 0 loads no reference: its KL is not measured, not logged as 0
+                    logged["losses/kl_ref"] = kl.item()
                 if engine_gap is not None:
                     logged["charts/vllm_logprob_diff"] = token_mean(engine_gap, mb(mask), num_tokens).item()
                 for k, v in logged.items():

@@ -217,10 +217,12 @@ def update_policy(policy, optimizer, rollout: common.Rollout, advantages, old_lo
                         kl = torch.zeros((), device=logprobs.device)
                     loss = pg_loss + args.beta * kl
                     (loss * len(mb.idx) / len(rows)).backward()
-                logged = {"losses/policy_loss": pg_loss.item(), "losses/kl_ref": kl.item(),
+                logged = {"losses/policy_loss": pg_loss.item(),
                           "losses/entropy": sequence_mean(entropy.detach(), mb(mask)).item(),
                           "losses/surrogate": stats["surrogate"], "losses/clipfrac": stats["clipfrac"],
                           "losses/approx_kl": stats["approx_kl"], "charts/ratio": stats["ratio"]}
+                if ref_model is not None:  # beta = 0 loads no reference: its KL is not measured, not logged as 0
+                    logged["losses/kl_ref"] = kl.item()
                 if engine_gap is not None:
                     logged["charts/vllm_logprob_diff"] = sequence_mean(engine_gap, mb(mask)).item()
                 for k, v in logged.items():

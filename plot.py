@@ -38,6 +38,11 @@ TITLES = {"charts/eval_accuracy": "Held-out greedy accuracy", "charts/accuracy":
           "losses/clipfrac": "Clip fraction", "charts/eval_format_rate": "Held-out format rate",
           "charts/format_rate": "Training format rate",
           "charts/eval_response_length": "Held-out response length (tokens)"}
+YLABELS = {"charts/eval_accuracy": "share of held-out tasks solved", "charts/accuracy": "share of completions correct",
+           "charts/reward": "mean reward", "charts/response_length": "tokens per completion",
+           "charts/eval_response_length": "tokens per completion", "losses/entropy": "nats per token",
+           "losses/kl_ref": "nats per token (k3 estimate)", "losses/clipfrac": "share of tokens clipped",
+           "charts/eval_format_rate": "share well-formed", "charts/format_rate": "share well-formed"}
 ACCURACY_PANELS = {"charts/eval_accuracy"}
 BASELINES = {"charts/eval_best_constant": ("--", "best constant answer"),
              "charts/eval_uniform_guess": (":", "uniform guess")}
@@ -130,6 +135,16 @@ def rung_name(saved: dict) -> str:
     numbers = f"{low}" if low == high else f"{low}-{high}"
     ops = " ".join(map(str, ops if isinstance(ops, (str, list)) else [ops]))
     return f"{numbers} numbers ≤ {saved.get('task_max_value')}, {ops}"
+
+
+def shared_rung(groups: list[list[Path]]) -> str:
+    """The rung every run trained on, for the figure's title ("" when they differ or a run does not say): the
+    legend then names only what differs."""
+    saved = [load_args(group[0]) for group in groups]
+    if not all(all(k in s for k in TASK_FLAGS) for s in saved):
+        return ""
+    rungs = {rung_name(s) for s in saved}
+    return rungs.pop() if len(rungs) == 1 else ""
 
 
 def labels(groups: list[list[Path]]) -> list[str]:
@@ -248,11 +263,12 @@ def figure(args: Args):
             baselines.update(draw_baselines(panel, data, styles))
         panel.set_title(tex_safe(TITLES.get(metric, metric)))
         panel.set_xlabel("training step")
+        panel.set_ylabel(YLABELS.get(metric, ""))
         panel.grid(alpha=0.3)
     for panel in list(axes.flat)[len(metrics):]:
         panel.axis("off")
-    if args.title:
-        fig.suptitle(tex_safe(args.title))
+    if title := ": ".join(x for x in (args.title, shared_rung(groups)) if x):
+        fig.suptitle(tex_safe(title))
     fig.tight_layout()
     add_legend(fig, labels(groups), styles, [k for k in BASELINES if k in baselines])
     return fig

@@ -469,7 +469,9 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
         return_var = common.all_reduce_std(returns[tokens], world) ** 2
         error_var = common.all_reduce_std((returns - old_values)[tokens], world) ** 2
         scalars.update(common.average_over_processes({
-            **update_means, "losses/kl_ref": kl_to_reference(old_logprobs, ref_logprobs, mask).item()}, world), **{
+            **update_means,  # beta = 0 loads no reference: its KL is not measured, not logged as 0
+            **({"losses/kl_ref": kl_to_reference(old_logprobs, ref_logprobs, mask).item()} if args.beta > 0 else {})},
+            world), **{
             "charts/advantage_std": common.all_reduce_std(advantages[tokens], world),
             "charts/explained_variance": 1 - error_var / return_var if return_var > 0 else float("nan"),
             "charts/learning_rate": scheduler.get_last_lr()[0],

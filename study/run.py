@@ -526,7 +526,7 @@ FINDINGS = {
         Finding("Fig. 6(a): a moderate beta yields the best accuracy; beta = 0.04 significantly degrades it",
                 "beta-0.01", "beta-0.04"),
         Finding("Fig. 6(b): as beta increases, the KL divergence to the reference policy decreases", "beta-0.0075",
-                "beta-0.04", "losses/kl_ref"),  # beta = 0 loads no reference model and logs 0
+                "beta-0.04", "losses/kl_ref"),  # beta = 0 loads no reference model: no KL logged
         Finding("Fig. 6(c), section 3.7: as beta decreased, GRPO generated shorter responses", "beta-0.04",
                 "beta-0.0075", "charts/response_length"),
         Finding("Fig. 6(d): smaller KL coefficients correspond to larger policy gradient magnitudes", "beta-0.0075",

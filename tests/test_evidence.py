@@ -19,7 +19,7 @@ import common
 import countdown_reward
 import grpo
 import ppo
-from conftest import ROOT, read_metrics, script_args, tiny_args
+from conftest import ROOT, even_token_reward, read_metrics, script_args, tiny_args
 from test_study import load
 
 warm_start = load("warm_start")
@@ -310,6 +310,27 @@ def test_a_run_records_its_code_version_and_ppo_logs_kl_to_the_reference(tiny_mo
     saved = json.loads(open(f"{result['run_dir']}/args.json").read())
     assert Path(saved["model_source"]["path"]).resolve() == Path(tiny_model_dir).resolve()
     assert "warm_start" not in saved["model_source"]
+
+
+@pytest.mark.parametrize("script", ["ppo", "grpo", "dapo"])
+def test_kl_to_the_reference_is_logged_only_where_there_is_a_reference(script, tiny_model_dir, tmp_path):
+    """beta = 0 loads no reference model, so its KL is not measured: a logged 0 would draw a flat line nobody
+    measured on the paper's KL panels (DAPO's default). With beta > 0 every script logs a measured value."""
+    import importlib
+
+    algo = importlib.import_module(script)
+    for beta in (0.0, 0.05):
+        algo.train(tiny_args(algo, model=tiny_model_dir, beta=beta, num_steps=2, eval_size=0,
+                             runs_dir=str(tmp_path / str(beta)), group_size=1 if script == "ppo" else 2,
+                             **({"dynamic_sampling": False} if script == "dapo" else {})),
+                   reward_fn=even_token_reward)  # rewards that differ within a group: the policy moves
+        _, rows = read_metrics(tmp_path / str(beta))
+        trained = [r for r in rows if "losses/policy_loss" in r]
+        assert len(trained) == 2
+        if beta == 0:
+            assert not any("losses/kl_ref" in r for r in rows)
+        else:
+            assert all(r["losses/kl_ref"] >= 0 for r in trained) and trained[-1]["losses/kl_ref"] > 0
 
 
 def test_the_code_version_is_dirty_for_code_changes_only(tmp_path):

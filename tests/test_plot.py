@@ -182,6 +182,24 @@ def test_panels_have_readable_titles_and_axis_labels(tmp_path):
         "Held-out greedy accuracy", "Training accuracy", "KL to the reference", "Entropy (nats/token)",
         "Clip fraction", "Response length (tokens)", "Reward", "charts/custom"]
     assert {panel.get_xlabel() for panel in fig.axes[:8]} == {"training step"}
+    assert [panel.get_ylabel() for panel in fig.axes[:8]] == [
+        "share of held-out tasks solved", "share of completions correct", "nats per token (k3 estimate)",
+        "nats per token", "share of tokens clipped", "tokens per completion", "mean reward", ""]
+
+
+def test_the_rung_all_runs_share_is_in_the_title_and_a_mixed_one_is_not(tmp_path):
+    write_run(tmp_path / "same", "a", {**GRPO, "beta": 0.01}, [{"step": 0, "charts/reward": 0.1}])
+    write_run(tmp_path / "same", "b", {**GRPO, "beta": 0.04}, [{"step": 0, "charts/reward": 0.1}])
+    fig = plot.figure(script_args(plot, runs=[str(tmp_path / "same")], title="Fig. 6"))
+    assert fig.get_suptitle() == "Fig. 6: 2 numbers ≤ 20, + -" and legend(fig) == ["grpo beta=0.01",
+                                                                                          "grpo beta=0.04"]
+    write_run(tmp_path / "mixed", "a", GRPO, [{"step": 0, "charts/reward": 0.1}])
+    write_run(tmp_path / "mixed", "b", {**GRPO, "task_operators": "+-*"}, [{"step": 0, "charts/reward": 0.1}])
+    fig = plot.figure(script_args(plot, runs=[str(tmp_path / "mixed")], title="Fig. 6"))
+    assert fig.get_suptitle() == "Fig. 6" and legend(fig) == ["grpo 2 numbers ≤ 20, + -",
+                                                                     "grpo 2 numbers ≤ 20, + - *"]
+    write_run(tmp_path / "foreign", "a", {"script": "grpo"}, [{"step": 0, "charts/reward": 0.1}])
+    assert plot.figure(script_args(plot, runs=[str(tmp_path / "foreign")])).get_suptitle() == ""
 
 
 def test_task_settings_are_named_as_rungs_and_other_flags_as_name_value(tmp_path):

@@ -110,6 +110,14 @@ def read_rows(run: Path) -> list[dict]:
     return rows
 
 
+def measured(rows: list[dict], saved: dict) -> list[dict]:
+    """The rows without what the run did not measure: at beta = 0 no reference model is loaded, and runs made before
+    the scripts stopped logging its KL as 0 carry that 0 in losses/kl_ref; drawn, it would read as a measurement."""
+    if saved.get("beta") == 0:
+        return [{k: v for k, v in row.items() if k != "losses/kl_ref"} for row in rows]
+    return rows
+
+
 def load_args(run: Path) -> dict:
     """The run's saved flags; a missing, torn or non-object args.json counts as none, so a plot never stops on it."""
     try:
@@ -120,13 +128,24 @@ def load_args(run: Path) -> dict:
 
 
 def group_by_seed(runs: list[Path]) -> list[list[Path]]:
-    """Runs whose flags differ only in seed (or in where they were written) are one setting: one line and band."""
-    groups: dict[str, list[Path]] = {}
+    """Runs whose flags differ only in seed (or in where they were written) are one setting: one line and band.
+    A run with the flags and seed of one already grouped differs in what its flags do not record (the code, the
+    warm start): a line of its own, never averaged in as if it were another seed."""
+    settings: dict[str, list[list[Path]]] = {}
     for run in runs:
         flags = {k: v for k, v in load_args(run).items() if k not in NOT_GROUPED}
         key = json.dumps(flags, sort_keys=True, default=str) if flags else str(run)  # no flags: a group of its own
-        groups.setdefault(key, []).append(run)
-    return list(groups.values())
+        groups = settings.setdefault(key, [])
+        free = next((g for g in groups if seed_of(run) not in map(seed_of, g)), None)
+        if free is None:
+            groups.append([run])
+        else:
+            free.append(run)
+    return [group for groups in settings.values() for group in groups]
+
+
+def seed_of(run: Path) -> str:
+    return json.dumps(load_args(run).get("seed"), default=str)
 
 
 def rung_name(saved: dict) -> str:
@@ -152,7 +171,8 @@ def labels(groups: list[list[Path]]) -> list[str]:
     saved = [load_args(group[0]) for group in groups]
     known = [s for s in saved if s]  # a run without args.json is named by its folder
     shared = set.intersection(*(set(s) for s in known)) if known else set()
-    keys = sorted(shared - NOT_GROUPED)  # a flag only one script has (clip_high) says nothing the script name does not
+    # the script names itself; a flag only one script has (clip_high) says nothing the script name does not
+    keys = sorted(shared - NOT_GROUPED - {"script"})
     differing = [k for k in keys if len({json.dumps(s.get(k), sort_keys=True, default=str) for s in known}) > 1]
     names = []
     for group, s in zip(groups, saved):
@@ -161,13 +181,7 @@ def labels(groups: list[list[Path]]) -> list[str]:
         names.append(" ".join(x for x in (str(s.get("script", "")), ", ".join(flags)) if x) or group[0].name)
     if len(set(names)) < len(names):  # same labelled flags (a flag only some scripts have): add the folder
         names = [f"{n} ({group[0].name})" for n, group in zip(names, groups)]
-    return [f"{n} ({len(group)} {seeds_or_runs(group)})" if len(group) > 1 else n for n, group in zip(names, groups)]
-
-
-def seeds_or_runs(group: list[Path]) -> str:
-    """"seeds" when the group's runs have distinct seeds; "runs" when one seed was run twice (not a seed spread)."""
-    seeds = [json.dumps(load_args(run).get("seed"), default=str) for run in group]
-    return "seeds" if len(set(seeds)) == len(seeds) else "runs"
+    return [f"{n} ({len(group)} seeds)" if len(group) > 1 else n for n, group in zip(names, groups)]
 
 
 def ema(values: list[float], weight: float) -> list[float]:
@@ -241,7 +255,7 @@ def figure(args: Args):
 
     runs = find_runs(args.runs)
     groups = group_by_seed(runs)
-    data = [[read_rows(run) for run in group] for group in groups]
+    data = [[measured(read_rows(run), load_args(run)) for run in group] for group in groups]
     present = {k for group in data for rows in group for row in rows for k in row}
     metrics = [m for m in args.metrics if m in present]
     if not metrics:

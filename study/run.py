@@ -12,7 +12,7 @@ numbers up to 20 and `+ *`, whose held-out split is half sums and half products 
 scores 50%), shrunk to about an hour per run on a 2-core CPU. `--seeds 1 2 3` runs each variant with three seeds.
 
 Each experiment writes its runs under `<root>/<scale>/<experiment>/` and its figure beside them
-(`<experiment>.png`, made with plot.py). Runs go one after another; a study that was stopped continues
+(`<experiment>.png` and `.pdf`, made with plot.py). Runs go one after another; a study that was stopped continues
 where it stopped: a finished run is skipped, an unfinished one resumes from its newest checkpoint.
 """
 
@@ -650,11 +650,12 @@ def main(args: Args) -> int:
         except Timeout:
             raise common.ConfigError(f"--root={args.root!r} is not allowed: another study is writing "
                                      f"{out_dir} (it holds {out_dir / '.study.lock'})") from None
-        plot = [sys.executable, str(ROOT / "plot.py"), str(out_dir), "--out", str(out_dir) + ".png",
-                "--title", EXPERIMENTS[experiment][0].split(":")[0] + f" ({args.scale} scale)"]
-        print("$ " + shown(plot), flush=True)
-        if not args.dry_run and subprocess.run(plot).returncode != 0:
-            return 1
+        for suffix in (".png", ".pdf"):  # the README shows the PNG; a paper prints the PDF
+            plot = [sys.executable, str(ROOT / "plot.py"), str(out_dir), "--out", str(out_dir) + suffix,
+                    "--title", EXPERIMENTS[experiment][0].split(":")[0] + f" ({args.scale} scale)"]
+            print("$ " + shown(plot), flush=True)
+            if not args.dry_run and subprocess.run(plot).returncode != 0:
+                return 1
     return 0
 
 

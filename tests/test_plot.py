@@ -149,11 +149,14 @@ def test_a_seed_run_by_newer_code_with_more_logging_flags_is_still_a_seed_of_the
     assert len(plot.group_by_seed(plot.find_runs([str(tmp_path)]))) == 2  # a training flag still splits
 
 
-def test_a_run_named_twice_is_one_run_and_one_seed_run_twice_is_not_a_seed_spread(tmp_path):
+def test_a_run_named_twice_is_one_run_and_one_seed_run_twice_is_two_lines_not_a_seed_spread(tmp_path):
     write_run(tmp_path, "a", GRPO, [{"step": 0, "charts/reward": 0.1}])
     assert plot.labels(plot.group_by_seed(plot.find_runs([str(tmp_path / "a"), str(tmp_path)]))) == ["grpo"]
-    write_run(tmp_path, "b", GRPO, [{"step": 0, "charts/reward": 0.2}])
-    assert plot.labels(plot.group_by_seed(plot.find_runs([str(tmp_path)]))) == ["grpo (2 runs)"]
+    write_run(tmp_path, "b", GRPO, [{"step": 0, "charts/reward": 0.2}])  # same flags and seed: other code
+    write_run(tmp_path, "c", {**GRPO, "seed": 2}, [{"step": 0, "charts/reward": 0.3}])
+    groups = plot.group_by_seed(plot.find_runs([str(tmp_path)]))
+    assert [[run.name for run in group] for group in groups] == [["a", "c"], ["b"]]
+    assert plot.labels(groups) == ["grpo (a) (2 seeds)", "grpo (b)"]
 
 
 def test_accuracy_panels_show_the_baselines(tmp_path):
@@ -212,6 +215,14 @@ def test_task_settings_are_named_as_rungs_and_other_flags_as_name_value(tmp_path
                                                      "grpo 3-4 numbers ≤ 99, + - * /, beta=0.1",
                                                      "grpo 2 numbers ≤ 20, + -, beta=0.01"]
     assert plot.labels(plot.group_by_seed(runs[:1] + runs[2:])) == ["grpo beta=0.04", "grpo beta=0.01"]
+
+
+def test_a_kl_to_a_reference_that_was_never_loaded_is_not_drawn(tmp_path):
+    rows = [{"step": s, "losses/kl_ref": 0.0, "charts/reward": 0.1 * s} for s in (1, 2)]
+    write_run(tmp_path, "dapo", {**GRPO, "script": "dapo", "beta": 0.0}, rows)  # what older code logged at beta 0
+    write_run(tmp_path, "grpo", {**GRPO, "beta": 0.01}, rows)
+    fig = plot.figure(script_args(plot, runs=[str(tmp_path)], metrics=["losses/kl_ref", "charts/reward"]))
+    assert [len(panel.lines) for panel in fig.axes] == [1, 2] and legend(fig) == ["dapo beta=0.0", "grpo beta=0.01"]
 
 
 def test_fifty_runs_get_distinct_colour_and_style_pairs_and_a_warning(tmp_path, capsys):

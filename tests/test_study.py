@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ import bookkeeping
 from bookkeeping import flat_args
 import common
 import grpo
+import plot
 from conftest import ROOT, TINY, read_metrics, script_args, tiny_args
 
 
@@ -212,6 +214,15 @@ def test_a_study_lock_that_is_a_link_is_refused_not_followed(tmp_path):
         pass
     assert err.value.errno == errno.ELOOP, err.value  # not a timeout (filelock's Timeout is an OSError too)
     assert elsewhere.read_text() == "keep me"
+
+
+def test_each_experiment_plots_a_png_for_the_readme_and_a_pdf_for_print(tmp_path, capsys):
+    assert study.main(script_args(study, experiment="kl", root=str(tmp_path), dry_run=True)) == 0
+    plots = [line[2:] for line in capsys.readouterr().out.splitlines() if line.startswith("$ ") and "plot.py" in line]
+    outs = [shlex.split(cmd)[shlex.split(cmd).index("--out") + 1] for cmd in plots]
+    assert outs == [str(tmp_path / "cpu" / "kl") + suffix for suffix in (".png", ".pdf")]
+    for cmd, out in zip(plots, outs):  # plot.py's own flags, as it parses them
+        assert tyro.cli(plot.Args, args=shlex.split(cmd)[2:]).out == out
 
 
 def test_unknown_variants_are_refused_for_all_experiments_too(tmp_path):

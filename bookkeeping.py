@@ -483,8 +483,9 @@ class RunLogger:
         if "charts/eval_best_constant" in scalars:  # an accuracy means little without what a constant answer scores
             from tqdm import tqdm
 
-            tqdm.write(f"step {step}: held-out greedy accuracy {scalars['charts/eval_accuracy']:.1%}; best constant "
-                       f"answer {scalars['charts/eval_best_constant']:.1%}, uniform guess "
+            accuracy, constant = scalars["charts/eval_accuracy"], scalars["charts/eval_best_constant"]
+            tqdm.write(f"step {step}: held-out greedy accuracy {accuracy:.1%}, {100 * (accuracy - constant):+.1f} "
+                       f"points over the best constant answer ({constant:.1%}); uniform guess "
                        f"{scalars['charts/eval_uniform_guess']:.1%} on the same tasks", file=sys.stderr)
 
     def log_samples(self, step: int, prompts: list[str], texts: list[str], rewards: list[float]) -> None:

@@ -303,7 +303,10 @@ def test_a_run_records_its_code_version_and_ppo_logs_kl_to_the_reference(tiny_mo
     # the terminal shows each evaluation beside its baselines, as logged
     shown = [line for line in capsys.readouterr().err.splitlines() if "held-out greedy accuracy" in line]
     assert [line.split(":")[0] for line in shown] == [f"step {r['step']}" for r in rows if "charts/eval_accuracy" in r]
-    assert f"best constant answer {rows[0]['charts/eval_best_constant']:.1%}" in shown[0]
+    first = rows[0]
+    gain = 100 * (first["charts/eval_accuracy"] - first["charts/eval_best_constant"])
+    assert f"{first['charts/eval_accuracy']:.1%}, {gain:+.1f} points over the best constant answer " \
+           f"({first['charts/eval_best_constant']:.1%})" in shown[0]
     # a model that no warm start made records its folder alone
     result = grpo.train(tiny_args(grpo, model=tiny_model_dir, num_steps=1, eval_size=2, test_size=4,
                                   runs_dir=str(tmp_path / "plain")))

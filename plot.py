@@ -1,5 +1,6 @@
 """Plot runs: one figure (PNG, PDF or SVG) with a panel per metric and a line per setting, labelled by the flags
-that differ; runs that differ only in seed are one mean line with a min-max band.
+that differ; runs that differ only in seed are one mean line with a min-max band (a repeated seed is a line of its
+own).
 
     python plot.py runs/grpo__1__1764000000 runs/dapo__1__1764000100 --out compare.png
     python plot.py study/cpu/group_size --metrics charts/eval_accuracy losses/entropy --smooth 0.6
@@ -130,7 +131,8 @@ def load_args(run: Path) -> dict:
 def group_by_seed(runs: list[Path]) -> list[list[Path]]:
     """Runs whose flags differ only in seed (or in where they were written) are one setting: one line and band.
     A run with the flags and seed of one already grouped differs in what its flags do not record (the code, the
-    warm start): a line of its own, never averaged in as if it were another seed."""
+    warm start): it joins the first group, in the order named, that lacks its seed, or starts a line of its own;
+    it is never averaged with its own seed."""
     settings: dict[str, list[list[Path]]] = {}
     for run in runs:
         flags = {k: v for k, v in load_args(run).items() if k not in NOT_GROUPED}

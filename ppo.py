@@ -468,10 +468,10 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             "charts/return_mean": returns[tokens]}, world)
         return_var = common.all_reduce_std(returns[tokens], world) ** 2
         error_var = common.all_reduce_std((returns - old_values)[tokens], world) ** 2
-        scalars.update(common.average_over_processes({
-            **update_means,  # beta = 0 loads no reference: its KL is not measured, not logged as 0
-            **({"losses/kl_ref": kl_to_reference(old_logprobs, ref_logprobs, mask).item()} if args.beta > 0 else {})},
-            world), **{
+        kl_ref = {}  # beta = 0 loads no reference: its KL is not measured, not logged as 0
+        if ref_model is not None:
+            kl_ref["losses/kl_ref"] = kl_to_reference(old_logprobs, ref_logprobs, mask).item()
+        scalars.update(common.average_over_processes({**update_means, **kl_ref}, world), **{
             "charts/advantage_std": common.all_reduce_std(advantages[tokens], world),
             "charts/explained_variance": 1 - error_var / return_var if return_var > 0 else float("nan"),
             "charts/learning_rate": scheduler.get_last_lr()[0],

@@ -134,20 +134,19 @@ def group_by_seed(runs: list[Path]) -> list[list[Path]]:
     warm start): it joins the first group, in the order named, that lacks its seed, or starts a line of its own;
     it is never averaged with its own seed."""
     settings: dict[str, list[list[Path]]] = {}
+    seeds: dict[Path, str] = {}
     for run in runs:
-        flags = {k: v for k, v in load_args(run).items() if k not in NOT_GROUPED}
+        saved = load_args(run)
+        seeds[run] = json.dumps(saved.get("seed"), default=str)
+        flags = {k: v for k, v in saved.items() if k not in NOT_GROUPED}
         key = json.dumps(flags, sort_keys=True, default=str) if flags else str(run)  # no flags: a group of its own
         groups = settings.setdefault(key, [])
-        free = next((g for g in groups if seed_of(run) not in map(seed_of, g)), None)
+        free = next((g for g in groups if seeds[run] not in {seeds[r] for r in g}), None)
         if free is None:
             groups.append([run])
         else:
             free.append(run)
     return [group for groups in settings.values() for group in groups]
-
-
-def seed_of(run: Path) -> str:
-    return json.dumps(load_args(run).get("seed"), default=str)
 
 
 def rung_name(saved: dict) -> str:

@@ -36,7 +36,8 @@ def test_sampled_tokens_have_the_policys_logprobs(opinionated_model_dir):
     mask = rollout.completion_mask.bool()
     assert mask.sum() > 40
     # the sampler's KV-cached decoding and the log-prob pass run other float32 kernels on this model's large
-    # logits (its norm is scaled by 9): 1e-5 apart on average (1.4e-5 in one CI run), 2e-5 at most, against > 0.05 below
+    # logits (its norm is scaled by 9): 1e-5 apart on average (1.4e-5 in one CI run), 2e-5 at most, against
+    # > 0.05 below
     gap = (rollout.logprobs[mask] - policy[mask].detach()).abs()
     assert gap.mean() < 5e-5 and gap.max() < 1e-4
     assert model.generation_config.repetition_penalty == 1.3  # put back for save_pretrained

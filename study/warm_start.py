@@ -23,6 +23,7 @@ that misses: the model learns to write values out; when to stop, and so which an
     python study/warm_start.py --out runs/warm_start     # about 7 min on 2 CPU cores
     python grpo.py --model runs/warm_start ...
     python grpo.py --model bundled-warm ...              # the same, made once per machine and cached
+    python study/warm_start.py --labels-only             # its examples' answers by the right operator; no training
 
 --out must not exist, or hold an earlier warm start (its warm_start.json and model files, nothing else): nothing
 else is overwritten.
@@ -95,6 +96,9 @@ class Args:
     """held-out split to avoid: numbers are drawn from 1..task_max_value"""
     task_operators: str = "+*"
     """held-out split to avoid: operators of its hidden solutions"""
+    labels_only: bool = False
+    """print the operator table of the examples these settings train on (label_table) as JSON and exit: no model
+    is loaded and --out is not touched"""
 
 
 def random_expression(nums: list[int], operators: str, rng: random.Random,
@@ -133,6 +137,31 @@ def examples(args: Args, count: int, exclude: set) -> list[dict]:
         assert countdown_reward.is_well_formed(text) and countdown_reward.uses_numbers_exactly(expr, nums)
         out.append({**task, "completion": f" The target is {task['target']}.{work} I will try {expr}.{text}"})
     return out
+
+
+def training_examples(args: Args) -> list[dict]:
+    """The examples a warm start with these settings trains on, in order: none from the held-out split the
+    --task-* flags and --test-size name."""
+    _, held_out = common.load_countdown("generated", args.test_size, args.seed, train_size=1,
+                                        min_numbers=args.task_min_numbers, max_numbers=args.task_max_numbers,
+                                        max_value=args.task_max_value, operators=args.task_operators)
+    return examples(args, args.num_steps * args.batch_size, {common.task_key(t) for t in held_out})
+
+
+def label_table(data: list[dict]) -> dict:
+    """The two-number examples' answers by the operator that is right: {right: {answered: count}}. Labels drawn
+    without looking at the target answer `+` as often where `+` is right as where it is not."""
+    table: dict[str, dict[str, int]] = {}
+    for e in data:
+        if len(e["nums"]) != 2:
+            continue
+        a, b = e["nums"]
+        values = {"+": [a + b], "-": [a - b, b - a], "*": [a * b], "/": [Fraction(a, b), Fraction(b, a)]}
+        right = "".join(op for op, vs in values.items() if e["target"] in vs) or "none"
+        answered = common.expression_operators(countdown_reward.extract_answer(e["completion"]))
+        table.setdefault(right, {})
+        table[right][answered] = table[right].get(answered, 0) + 1
+    return {right: dict(sorted(row.items())) for right, row in sorted(table.items())}
 
 
 def check_args(args: Args) -> None:
@@ -185,6 +214,10 @@ def check_out(out: Path) -> None:
 
 def main(args: Args) -> str:
     check_args(args)
+    if args.labels_only:
+        data = training_examples(args)
+        print(json.dumps({"examples": len(data), "two_number_examples_by_right_operator": label_table(data)}))
+        return ""
     version = bookkeeping.code_version()  # the code that makes the examples and trains, not one edited meanwhile
     out = Path(args.out)
     check_out(out)
@@ -193,16 +226,13 @@ def main(args: Args) -> str:
     except OSError as err:
         raise common.ConfigError(f"--out={args.out!r} is not allowed: cannot create its parent "
                                  f"({err.strerror})") from None
-    _, held_out = common.load_countdown("generated", args.test_size, args.seed, train_size=1,
-                                        min_numbers=args.task_min_numbers, max_numbers=args.task_max_numbers,
-                                        max_value=args.task_max_value, operators=args.task_operators)
+    data = training_examples(args)
     common.seed_everything(args.seed)
     path = common.resolve_model(args.model)
     tokenizer = common.load_tokenizer(path)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = common.load_model(path, device, dtype=common.compute_dtype("auto", device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
-    data = examples(args, args.num_steps * args.batch_size, {common.task_key(t) for t in held_out})
     eos = tokenizer.eos_token
     start = time.perf_counter()
     for step in range(args.num_steps):

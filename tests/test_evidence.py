@@ -161,6 +161,33 @@ def test_warm_start_search_works_out_each_try_and_answers_the_last_whatever_the_
     assert len(went_on[True]) > 150 and abs(rate[True] - rate[False]) < 0.1, rate
 
 
+def test_warm_start_label_table_names_the_right_operator_in_either_order():
+    """A difference or quotient is right whichever number comes first; examples of three numbers are left out."""
+    answer = lambda expr: f" The target is 0. I will try {expr}.</think>\n<answer> {expr} </answer>"  # noqa: E731
+    data = [{"nums": [30, 25], "target": 55, "completion": answer("30 - 25")},
+            {"nums": [25, 30], "target": 5, "completion": answer("30 - 25")},
+            {"nums": [21, 84], "target": 4, "completion": answer("84 * 21")},
+            {"nums": [21, 84], "target": 4, "completion": answer("84 / 21")},
+            {"nums": [22, 23], "target": 7, "completion": answer("23 + 22")},
+            {"nums": [21, 22, 23], "target": 66, "completion": answer("23 + 22 + 21")}]
+    assert warm_start.label_table(data) == {"+": {"-": 1}, "-": {"-": 1}, "/": {"*": 1, "/": 1}, "none": {"+": 1}}
+
+
+def test_warm_start_labels_only_prints_the_trained_examples_table_and_touches_nothing(tmp_path, capsys):
+    """--labels-only describes exactly the examples a build with the same settings trains on, without a
+    model, and leaves --out alone even where a build would refuse it."""
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    args = script_args(warm_start, out=str(precious), model="no-such-model", num_steps=5, batch_size=8,
+                       labels_only=True)
+    warm_start.main(args)
+    printed = json.loads(capsys.readouterr().out)
+    data = warm_start.training_examples(args)
+    assert printed["examples"] == len(data) == 40 and list(precious.iterdir()) == []
+    table = printed["two_number_examples_by_right_operator"]
+    assert sum(map(sum, (row.values() for row in table.values()))) == sum(len(e["nums"]) == 2 for e in data) > 0
+
+
 def test_warm_start_never_shows_a_held_out_task():
     _, held_out = common.load_countdown("generated", 64, seed=1, min_numbers=2, max_numbers=3, max_value=99,
                                         operators="+-*/")

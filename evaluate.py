@@ -175,16 +175,27 @@ def answer_operators(text: str) -> str:
 
 def by_operator_class(details: list[dict]) -> dict:
     """Greedy accuracy per operator class of the right answer, and how often each class of answer was
-    chosen for it: {right class: {"tasks": n, "accuracy": a, "chosen": {chosen class: count}}}."""
+    chosen for it: {right class: {"tasks": n, "accuracy": a, "chosen": {chosen class: count}}}, with the
+    uniform guess's accuracy on the class's own tasks (`uniform_guess`) where the rows hold their tasks."""
     table: dict[str, dict] = {}
     for row in details:
-        entry = table.setdefault(row["operator_class"], {"tasks": 0, "correct": 0, "chosen": {}})
+        entry = table.setdefault(row["operator_class"], {"tasks": 0, "correct": 0, "chosen": {}, "rows": []})
         entry["tasks"] += 1
         entry["correct"] += row["correct"]
         entry["chosen"][row["chosen_operators"]] = entry["chosen"].get(row["chosen_operators"], 0) + 1
+        entry["rows"].append(row)
     return {cls: {"tasks": e["tasks"], "accuracy": e["correct"] / e["tasks"],
-                  "chosen": dict(sorted(e["chosen"].items()))}
+                  "chosen": dict(sorted(e["chosen"].items())), **class_uniform_guess(e["rows"])}
             for cls, e in sorted(table.items())}
+
+
+def class_uniform_guess(rows: list[dict]) -> dict:
+    """{"uniform_guess": a random template's accuracy on these tasks}, or {} when a row lacks its task or a
+    task has too many numbers for the baselines."""
+    if not all("nums" in row and "target" in row for row in rows):
+        return {}
+    baselines = common.constant_baselines(rows)
+    return {"uniform_guess": baselines["uniform_guess"]} if baselines else {}
 
 
 def writable_file(path: str, flag: str) -> None:

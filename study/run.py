@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import bookkeeping  # noqa: E402
 import common  # noqa: E402
+import evaluate  # noqa: E402
 from plot import NOT_LABELS, read_rows  # noqa: E402
 
 # What every run of a scale shares. Paper: README "The paper's setup".
@@ -472,20 +473,36 @@ def _two_class_exact_p(table: list[list[int]], cols: list[int]) -> float:
     return ways / math.comb(first_total + second_total, first_total)
 
 
+def class_uniform_guesses(details: Path) -> dict:
+    """{right operator class: a random template's accuracy on that class's tasks}, from a run's FINAL_DETAILS
+    (final evaluations written before evaluate.py recorded it per class); {} without the file."""
+    if not details.is_file():
+        return {}
+    rows: dict[str, list] = {}
+    for line in details.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            rows.setdefault(row["operator_class"], []).append(row)
+    return {cls: guess["uniform_guess"] for cls, group in rows.items()
+            if (guess := evaluate.class_uniform_guess(group))}
+
+
 def operator_table(out_dir: Path) -> str:
     """From each run's FINAL_EVAL: held-out greedy accuracy per operator class of the right answer, which
     operators the policy chose for it, and (on the run's first row) independence_p: small when the choice
     depends on the right operator, as it does for a policy that reads the target."""
-    lines = ["| run | right operator | tasks | accuracy | chosen (count) | p (null: choice independent of it) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| run | right operator | tasks | accuracy | uniform guess on them | chosen (count) "
+             "| p (null: choice independent of it) |", "|---|---|---|---|---|---|---|"]
     for folder in sorted(out_dir.glob(f"*__*/{FINAL_EVAL}")):
         rows = [json.loads(line) for line in folder.read_text().splitlines() if line.strip()]
         by_class = (rows[-1].get("by_operator_class") or {}) if rows else {}
+        guess = class_uniform_guesses(folder.parent / FINAL_DETAILS)
         for i, (cls, entry) in enumerate(by_class.items()):
             chosen = ", ".join(f"`{op}` {n}" for op, n in sorted(entry["chosen"].items(), key=lambda kv: -kv[1]))
             p = f"{independence_p(by_class):.2g}" if i == 0 else ""
-            lines.append(f"| {folder.parent.name} | `{cls}` | {entry['tasks']} | {entry['accuracy']:.3f} | {chosen} "
-                         f"| {p} |")
+            uniform = entry.get("uniform_guess", guess.get(cls))
+            lines.append(f"| {folder.parent.name} | `{cls}` | {entry['tasks']} | {entry['accuracy']:.3f} | "
+                         f"{'' if uniform is None else f'{uniform:.3f}'} | {chosen} | {p} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 

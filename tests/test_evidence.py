@@ -310,6 +310,17 @@ def test_evaluate_reports_accuracy_per_operator_class():
     assert evaluate_script.answer_operators("no answer") == "none"
 
 
+def test_each_operator_class_has_its_own_uniform_guess():
+    """A random template (8 of them for two numbers) is right on 2 + 2 = 4 four ways (either order of + and *),
+    on 3 + 5 = 8 two ways, and on 6 / 3 = 2 once: the sums' uniform guess is (4 + 2) / 8 / 2, the quotient's 1 / 8."""
+    details = [{"nums": [2, 2], "target": 4, "operator_class": "+", "correct": True, "chosen_operators": "+"},
+               {"nums": [3, 5], "target": 8, "operator_class": "+", "correct": False, "chosen_operators": "*"},
+               {"nums": [6, 3], "target": 2, "operator_class": "/", "correct": False, "chosen_operators": "-"}]
+    table = evaluate_script.by_operator_class(details)
+    assert {cls: entry["uniform_guess"] for cls, entry in table.items()} == {"+": 0.375, "/": 0.125}
+    assert load("run").class_uniform_guesses(Path("no-such-file")) == {}
+
+
 def test_a_run_records_its_code_version_and_ppo_logs_kl_to_the_reference(tiny_model_dir, tmp_path, capsys):
     """args.json names the commit, and the warm start the run began from: its settings and the commit that made
     it (what --model=bundled-warm resolves to is a cached folder whose name says neither)."""

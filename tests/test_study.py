@@ -261,8 +261,13 @@ def test_the_operator_table_reads_each_runs_final_evaluation(tmp_path):
     (run / study.FINAL_EVAL).write_text(json.dumps(record) + "\n")
     lines = study.operator_table(tmp_path).splitlines()
     # the two classes' tables are mirror images of each other: every table with these margins is as extreme
-    assert lines[2:] == ["| grpo__1__1700000000 | `+` | 2 | 1.000 | `+` 2 | 1 |",
-                         "| grpo__1__1700000000 | `-` | 2 | 0.500 | `+` 1, `-` 1 |  |"]
+    assert lines[2:] == ["| grpo__1__1700000000 | `+` | 2 | 1.000 |  | `+` 2 | 1 |",
+                         "| grpo__1__1700000000 | `-` | 2 | 0.500 |  | `+` 1, `-` 1 |  |"]
+    # an evaluation that predates per-class baselines gets them from its details: each task once, by class
+    rows = [{"nums": [4, 3], "target": 7, "operator_class": "+"}, {"nums": [7, 5], "target": 12, "operator_class": "+"},
+            {"nums": [4, 3], "target": 1, "operator_class": "-"}, {"nums": [9, 2], "target": 7, "operator_class": "-"}]
+    (run / study.FINAL_DETAILS).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert [line.split(" | ")[4] for line in study.operator_table(tmp_path).splitlines()[2:]] == ["0.250", "0.125"]
 
 
 def fisher_two_sided(star_on_products: int, star_on_sums: int, per_class: int = 64) -> float:

@@ -182,7 +182,7 @@ def labels(groups: list[list[Path]]) -> list[str]:
         names.append(" ".join(x for x in (str(s.get("script", "")), ", ".join(flags)) if x) or group[0].name)
     if len(set(names)) < len(names):  # same labelled flags (a flag only some scripts have): add the folder
         names = [f"{n} ({group[0].name})" for n, group in zip(names, groups)]
-    return [f"{n} ({len(group)} seeds)" if len(group) > 1 else n for n, group in zip(names, groups)]
+    return [f"{n} ({len(group)} seeds: mean, band min-max)" if len(group) > 1 else n for n, group in zip(names, groups)]
 
 
 def ema(values: list[float], weight: float) -> list[float]:

@@ -85,7 +85,7 @@ EXPERIMENTS = {
                                         task_operators="+-*/", max_new_tokens=64))]),             # 12%
     "algorithms": ("Table 3 / section 4: PPO vs GRPO vs DAPO (no dynamic sampling) at the same number of steps", [
         ("grpo", "grpo", {}), ("dapo", "dapo", {}), ("ppo", "ppo", {})]),
-    "harder-rung": ("The three algorithms on the ladder's rung 3: two numbers up to 20, `+ - *` "
+    "harder-rung": ("Rung 3 of the ladder, run by each algorithm: two numbers up to 20, `+ - *` "
                     "(best constant 33.6%)", [
         (name, name, dict(task_operators="+-*")) for name in ("grpo", "dapo", "ppo")]),
     "entropy": ("Fig. 3: PPO with and without an entropy bonus (c2 = 0.001, verl's former default; "

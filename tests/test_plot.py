@@ -128,7 +128,7 @@ def test_seeds_of_one_setting_are_one_mean_line_with_a_min_max_band(tmp_path):
     (tmp_path / "grpo__3" / "metrics.jsonl").write_text("".join(  # the third seed is still at step 2
         json.dumps({"step": s, "charts/reward": 0.6 * s}) + "\n" for s in range(3)))
     fig = plot.figure(script_args(plot, runs=[str(tmp_path)], metrics=["charts/reward"]))
-    assert legend(fig) == ["grpo learning_rate=3e-05 (3 seeds)", "grpo learning_rate=1e-05"]
+    assert legend(fig) == ["grpo learning_rate=3e-05 (3 seeds: mean, band min-max)", "grpo learning_rate=1e-05"]
     panel = fig.axes[0]
     mean = panel.lines[0]
     assert list(mean.get_xdata()) == [0, 1, 2] and list(mean.get_ydata()) == pytest.approx([0, 0.3, 0.6])
@@ -144,7 +144,7 @@ def test_a_seed_run_by_newer_code_with_more_logging_flags_is_still_a_seed_of_the
     write_run(tmp_path, "grpo__2", {**GRPO, "seed": 2, "wandb_entity": "", "final_dtype": "compute",
                                     "model_source": {"path": "/cache/warm-start", "warm_start": {"seed": 1}}},
               [{"step": 0, "charts/reward": 0.3}])
-    assert plot.labels(plot.group_by_seed(plot.find_runs([str(tmp_path)]))) == ["grpo (2 seeds)"]
+    assert plot.labels(plot.group_by_seed(plot.find_runs([str(tmp_path)]))) == ["grpo (2 seeds: mean, band min-max)"]
     write_run(tmp_path, "grpo__3", {**GRPO, "seed": 3, "learning_rate": 1e-5}, [{"step": 0, "charts/reward": 0.2}])
     assert len(plot.group_by_seed(plot.find_runs([str(tmp_path)]))) == 2  # a training flag still splits
 
@@ -156,7 +156,7 @@ def test_a_run_named_twice_is_one_run_and_one_seed_run_twice_is_two_lines_not_a_
     write_run(tmp_path, "c", {**GRPO, "seed": 2}, [{"step": 0, "charts/reward": 0.3}])
     groups = plot.group_by_seed(plot.find_runs([str(tmp_path)]))
     assert [[run.name for run in group] for group in groups] == [["a", "c"], ["b"]]
-    assert plot.labels(groups) == ["grpo (a) (2 seeds)", "grpo (b)"]
+    assert plot.labels(groups) == ["grpo (a) (2 seeds: mean, band min-max)", "grpo (b)"]
 
 
 def test_accuracy_panels_show_the_baselines(tmp_path):

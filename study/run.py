@@ -348,7 +348,8 @@ def summary_table(runs_of: Runs) -> str:
     (zero advantage: no reward signal from them) over all steps, the last step's entropy and length, seconds per
     step and wall time (logged)."""
     lines = ["| run | seeds | steps | best constant | uniform guess | acc step 0 | final acc | min-max | "
-             "gain over constant | equal-reward groups | entropy | length | s/step | wall (per seed) |",
+             "gain over constant | equal-reward groups | entropy at the end | length at the end | s/step "
+             "| wall (per seed) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     variants: dict[str, list[list[dict]]] = {}
     for name, runs in runs_of.items():

@@ -252,8 +252,8 @@ def main(args: Args) -> str:
         print(f"step {step + 1}/{args.num_steps}  loss {loss.item():.3f}  {time.perf_counter() - start:.0f} s",
               flush=True)
     seconds = round(time.perf_counter() - start)
-    publish(model, tokenizer, out, {**asdict(args), "examples": len(data), "seconds": seconds,
-                                    "code_version": version})
+    settings = {k: v for k, v in asdict(args).items() if k != "labels_only"}  # a build's record: resume compares it
+    publish(model, tokenizer, out, {**settings, "examples": len(data), "seconds": seconds, "code_version": version})
     print(f"warm-started model: {args.out}  (use --model {args.out})")
     return args.out
 

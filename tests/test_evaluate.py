@@ -51,6 +51,8 @@ def test_a_runs_checkpoint_scores_as_its_final_evaluation(tiny_model_dir, tmp_pa
     assert {cls: entry["tasks"] for cls, entry in classes.items()} == {"+": 3, "*": 3}
     assert sum(entry["accuracy"] * entry["tasks"] for entry in classes.values()) == pytest.approx(
         sum(d["correct"] for d in details))
+    assert sum(entry["uniform_guess"] * entry["tasks"] for entry in classes.values()) / 6 == pytest.approx(
+        scored["uniform_guess"])  # each class's own uniform guess, weighted by its tasks, is the whole set's
     # the step-0 row of the run is the starting model: evaluating that model gives the same numbers
     base = run_script(["evaluate.py", tiny_model_dir, *as_flags(**tasks)])
     assert base.returncode == 0, base.stderr[-3000:]

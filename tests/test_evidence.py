@@ -178,12 +178,16 @@ def test_warm_start_labels_only_prints_the_trained_examples_table_and_touches_no
     model, and leaves --out alone even where a build would refuse it."""
     precious = tmp_path / "precious"
     precious.mkdir()
+    (precious / "notes.txt").write_text("mine")  # a build refuses this folder: it holds no warm_start.json
+    before = sorted(tmp_path.rglob("*"))
     args = script_args(warm_start, out=str(precious), model="no-such-model", num_steps=5, batch_size=8,
                        labels_only=True)
     warm_start.main(args)
     printed = json.loads(capsys.readouterr().out)
     data = warm_start.training_examples(args)
-    assert printed["examples"] == len(data) == 40 and list(precious.iterdir()) == []
+    assert printed["examples"] == len(data) == 40 and sorted(tmp_path.rglob("*")) == before
+    with pytest.raises(common.ConfigError, match="--out=.*not written by study/warm_start.py"):
+        warm_start.main(script_args(warm_start, out=str(precious), model="no-such-model"))
     table = printed["two_number_examples_by_right_operator"]
     assert sum(map(sum, (row.values() for row in table.values()))) == sum(len(e["nums"]) == 2 for e in data) > 0
 
@@ -209,7 +213,8 @@ def test_warm_start_keeps_folders_it_did_not_write(tiny_model_dir, tmp_path):
     out = tmp_path / "warm"
     for _ in range(2):  # the second replaces the first, an earlier warm start
         warm_start.main(script_args(warm_start, out=str(out), model=tiny_model_dir, num_steps=1, batch_size=2))
-    assert json.loads((out / warm_start.MARKER).read_text())["num_steps"] == 1
+    record = json.loads((out / warm_start.MARKER).read_text())
+    assert record["num_steps"] == 1 and "labels_only" not in record  # resume compares the record's settings
     common.check_model_folder(str(out))
     for kept in ("eval.jsonl", "notes.txt"):  # an evaluation beside the model (study/results/cpu/warm_start), notes
         (out / kept).write_text("{}\n")

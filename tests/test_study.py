@@ -268,6 +268,9 @@ def test_the_operator_table_reads_each_runs_final_evaluation(tmp_path):
             {"nums": [4, 3], "target": 1, "operator_class": "-"}, {"nums": [9, 2], "target": 7, "operator_class": "-"}]
     (run / study.FINAL_DETAILS).write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert [line.split(" | ")[4] for line in study.operator_table(tmp_path).splitlines()[2:]] == ["0.250", "0.125"]
+    record["by_operator_class"]["+"]["uniform_guess"] = 0.3  # evaluate.py's own record comes first
+    (run / study.FINAL_EVAL).write_text(json.dumps(record) + "\n")
+    assert [line.split(" | ")[4] for line in study.operator_table(tmp_path).splitlines()[2:]] == ["0.300", "0.125"]
 
 
 def fisher_two_sided(star_on_products: int, star_on_sums: int, per_class: int = 64) -> float:

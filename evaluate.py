@@ -177,16 +177,17 @@ def by_operator_class(details: list[dict]) -> dict:
     """Greedy accuracy per operator class of the right answer, and how often each class of answer was
     chosen for it: {right class: {"tasks": n, "accuracy": a, "chosen": {chosen class: count}}}, with the
     uniform guess's accuracy on the class's own tasks (`uniform_guess`) where the rows hold their tasks."""
-    table: dict[str, dict] = {}
+    rows_of: dict[str, list[dict]] = {}
     for row in details:
-        entry = table.setdefault(row["operator_class"], {"tasks": 0, "correct": 0, "chosen": {}, "rows": []})
-        entry["tasks"] += 1
-        entry["correct"] += row["correct"]
-        entry["chosen"][row["chosen_operators"]] = entry["chosen"].get(row["chosen_operators"], 0) + 1
-        entry["rows"].append(row)
-    return {cls: {"tasks": e["tasks"], "accuracy": e["correct"] / e["tasks"],
-                  "chosen": dict(sorted(e["chosen"].items())), **class_uniform_guess(e["rows"])}
-            for cls, e in sorted(table.items())}
+        rows_of.setdefault(row["operator_class"], []).append(row)
+    table = {}
+    for cls, rows in sorted(rows_of.items()):
+        chosen: dict[str, int] = {}
+        for row in rows:
+            chosen[row["chosen_operators"]] = chosen.get(row["chosen_operators"], 0) + 1
+        table[cls] = {"tasks": len(rows), "accuracy": sum(row["correct"] for row in rows) / len(rows),
+                      "chosen": dict(sorted(chosen.items())), **class_uniform_guess(rows)}
+    return table
 
 
 def class_uniform_guess(rows: list[dict]) -> dict:

@@ -479,13 +479,9 @@ def class_uniform_guesses(details: Path) -> dict:
     (final evaluations written before evaluate.py recorded it per class); {} without the file."""
     if not details.is_file():
         return {}
-    rows: dict[str, list] = {}
-    for line in details.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            rows.setdefault(row["operator_class"], []).append(row)
-    return {cls: guess["uniform_guess"] for cls, group in rows.items()
-            if (guess := evaluate.class_uniform_guess(group))}
+    rows = [json.loads(line) for line in details.read_text().splitlines() if line.strip()]
+    return {cls: entry["uniform_guess"] for cls, entry in evaluate.by_operator_class(rows).items()
+            if "uniform_guess" in entry}
 
 
 def operator_table(out_dir: Path) -> str:

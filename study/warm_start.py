@@ -148,6 +148,9 @@ def training_examples(args: Args) -> list[dict]:
     return examples(args, args.num_steps * args.batch_size, {common.task_key(t) for t in held_out})
 
 
+TWO_NUMBER_TEMPLATES = common.expression_templates(2)
+
+
 def label_table(data: list[dict]) -> dict:
     """The two-number examples' answers by the operator that is right: {right: {answered: count}}. Labels drawn
     without looking at the target answer `+` as often where `+` is right as where it is not."""
@@ -155,9 +158,9 @@ def label_table(data: list[dict]) -> dict:
     for e in data:
         if len(e["nums"]) != 2:
             continue
-        a, b = e["nums"]
-        values = {"+": [a + b], "-": [a - b, b - a], "*": [a * b], "/": [Fraction(a, b), Fraction(b, a)]}
-        right = "".join(op for op, vs in values.items() if e["target"] in vs) or "none"
+        hits = {common.expression_operators(common.template_text(template)) for template in TWO_NUMBER_TEMPLATES
+                if common.template_value(template, e["nums"]) == e["target"]}  # either order of the numbers
+        right = "".join(sorted(hits)) or "none"
         answered = common.expression_operators(countdown_reward.extract_answer(e["completion"]))
         table.setdefault(right, {})
         table[right][answered] = table[right].get(answered, 0) + 1

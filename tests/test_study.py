@@ -266,6 +266,7 @@ def test_the_operator_table_reads_each_runs_final_evaluation(tmp_path):
     # an evaluation that predates per-class baselines gets them from its details: each task once, by class
     rows = [{"nums": [4, 3], "target": 7, "operator_class": "+"}, {"nums": [7, 5], "target": 12, "operator_class": "+"},
             {"nums": [4, 3], "target": 1, "operator_class": "-"}, {"nums": [9, 2], "target": 7, "operator_class": "-"}]
+    rows = [{**row, "correct": True, "chosen_operators": row["operator_class"]} for row in rows]  # evaluate's fields
     (run / study.FINAL_DETAILS).write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert [line.split(" | ")[4] for line in study.operator_table(tmp_path).splitlines()[2:]] == ["0.250", "0.125"]
     record["by_operator_class"]["+"]["uniform_guess"] = 0.3  # evaluate.py's own record comes first

@@ -1,0 +1,68 @@
+"""Where a training step's time and tokens go, read from finished runs' own records (nothing is run).
+
+For each variant (experiment folder / a run folder's name before `__seed__`): the median seconds per step of generation, of the
+update (old, reference and policy log-probs, backward, optimizer) and of the whole step (metrics.jsonl), and
+the mean prompt and completion tokens of the logged training samples (samples.jsonl, tokenized with the
+bundled model's tokenizer). The update's forward and backward passes run over prompt and completion alike.
+
+    python benchmark/step_breakdown.py study/results/cpu/algorithms/*__* study/results/cpu/group-size/G4__*
+"""
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from statistics import fmean, median
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+from plot import read_rows  # noqa: E402
+
+
+def token_counts(run: Path, tokenizer) -> tuple[list[int], list[int]]:
+    """Prompt and completion token counts of the run's logged training samples."""
+    prompts, completions = [], []
+    for line in (run / "samples.jsonl").read_text().splitlines():
+        sample = json.loads(line)
+        prompts.append(len(tokenizer(sample["prompt"], add_special_tokens=False).input_ids))
+        completions.append(len(tokenizer(sample["completion"], add_special_tokens=False).input_ids))
+    return prompts, completions
+
+
+def breakdown(runs: list[Path], tokenizer) -> dict[str, dict]:
+    """Per variant: its runs, steps, median seconds of generation, update and step, mean tokens per sample."""
+    by_variant = defaultdict(lambda: defaultdict(list))
+    for run in runs:
+        rows = [row for row in read_rows(run) if "time/update" in row]  # training steps, not evaluations
+        variant = by_variant[f"{run.parent.name}/{run.name.split('__')[0]}"]
+        variant["runs"].append(run.name)
+        for key in ("time/generation", "time/update", "time/step"):
+            variant[key] += [row[key] for row in rows]
+        prompts, completions = token_counts(run, tokenizer)
+        variant["prompt"] += prompts
+        variant["completion"] += completions
+    return {name: dict(runs=len(v["runs"]), steps=len(v["time/step"]), generation=median(v["time/generation"]),
+                       update=median(v["time/update"]), step=median(v["time/step"]), prompt=fmean(v["prompt"]),
+                       completion=fmean(v["completion"]))
+            for name, v in by_variant.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", type=Path, help="run folders (metrics.jsonl and samples.jsonl inside)")
+    parser.add_argument("--tokenizer", default="bundled", help="model whose tokenizer counts the tokens")
+    args = parser.parse_args()
+    tokenizer = common.load_tokenizer(common.resolve_model(args.tokenizer))
+    print("| variant | runs | steps | generation s | update s | step s | update share | prompt tokens "
+          "| completion tokens | prompt share |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, v in breakdown(args.runs, tokenizer).items():
+        print(f"| {name} | {v['runs']} | {v['steps']} | {v['generation']:.1f} | {v['update']:.1f} | {v['step']:.1f} "
+              f"| {v['update'] / v['step']:.0%} | {v['prompt']:.1f} | {v['completion']:.1f} "
+              f"| {v['prompt'] / (v['prompt'] + v['completion']):.0%} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,9 +1,10 @@
 """Where a training step's time and tokens go, read from finished runs' own records (nothing is run).
 
 For each variant (experiment folder / a run folder's name before `__seed__`): the median seconds per step of generation, of the
-update (old, reference and policy log-probs, backward, optimizer) and of the whole step (metrics.jsonl), and
-the mean prompt and completion tokens of the logged training samples (samples.jsonl, tokenized with the
-bundled model's tokenizer). The update's forward and backward passes run over prompt and completion alike.
+update (old, reference and policy log-probs, backward, optimizer) and of the whole step, and the mean completion
+length with its stop token (`charts/response_length`), from metrics.jsonl; the mean prompt length of the logged
+training samples (samples.jsonl), encoded as the scripts encode prompts (the bundled model's tokenizer, chat
+template included). The update's forward and backward passes run over prompt and completion alike.
 
     python benchmark/step_breakdown.py study/results/cpu/algorithms/*__* study/results/cpu/group-size/G4__*
 """
@@ -21,14 +22,10 @@ import common  # noqa: E402
 from plot import read_rows  # noqa: E402
 
 
-def token_counts(run: Path, tokenizer) -> tuple[list[int], list[int]]:
-    """Prompt and completion token counts of the run's logged training samples."""
-    prompts, completions = [], []
-    for line in (run / "samples.jsonl").read_text().splitlines():
-        sample = json.loads(line)
-        prompts.append(len(tokenizer(sample["prompt"], add_special_tokens=False).input_ids))
-        completions.append(len(tokenizer(sample["completion"], add_special_tokens=False).input_ids))
-    return prompts, completions
+def prompt_tokens(run: Path, tokenizer) -> list[int]:
+    """Token counts of the run's logged training prompts, encoded as common.encode_prompts does."""
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    return [len(tokenizer(sample["prompt"], add_special_tokens=False).input_ids) for sample in samples]
 
 
 def breakdown(runs: list[Path], tokenizer) -> dict[str, dict]:
@@ -38,14 +35,12 @@ def breakdown(runs: list[Path], tokenizer) -> dict[str, dict]:
         rows = [row for row in read_rows(run) if "time/update" in row]  # training steps, not evaluations
         variant = by_variant[f"{run.parent.name}/{run.name.split('__')[0]}"]
         variant["runs"].append(run.name)
-        for key in ("time/generation", "time/update", "time/step"):
+        for key in ("time/generation", "time/update", "time/step", "charts/response_length"):
             variant[key] += [row[key] for row in rows]
-        prompts, completions = token_counts(run, tokenizer)
-        variant["prompt"] += prompts
-        variant["completion"] += completions
+        variant["prompt"] += prompt_tokens(run, tokenizer)
     return {name: dict(runs=len(v["runs"]), steps=len(v["time/step"]), generation=median(v["time/generation"]),
                        update=median(v["time/update"]), step=median(v["time/step"]), prompt=fmean(v["prompt"]),
-                       completion=fmean(v["completion"]))
+                       completion=fmean(v["charts/response_length"]))
             for name, v in by_variant.items()}
 
 

@@ -418,32 +418,35 @@ def test_sizes_are_bounded_by_what_fits_with_the_reason(tmp_path):
         grpo.check_args(script_args(grpo, test_size=10**9, eval_size=1), 1)
 
 
-def test_step_breakdown_pools_each_variants_training_steps_and_counts_sample_tokens(tmp_path, tokenizer):
+def test_step_breakdown_pools_each_variants_training_steps_and_counts_tokens_as_the_model_sees_them(tmp_path,
+                                                                                                  tokenizer):
     spec = importlib.util.spec_from_file_location("step_breakdown", ROOT / "benchmark" / "step_breakdown.py")
     step_breakdown = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(step_breakdown)
 
-    def run(name, updates, samples):
+    def run(name, updates, lengths, prompts):
         folder = tmp_path / "experiment" / name
         folder.mkdir(parents=True)
-        rows = [{"step": 0, "time/eval": 500.0, "time/step": 500.0}]  # an evaluation: not a training step
-        rows += [{"step": i + 1, "time/generation": 1.0 + i, "time/update": u, "time/step": u + 1.0 + i}
-                 for i, u in enumerate(updates)]
+        rows = [{"step": 0, "time/eval": 50.0, "charts/eval_response_length": 99.0}]  # the step-0 evaluation
+        rows += [{"step": i + 1, "time/generation": 1.0 + i, "time/update": u, "time/step": u + 1.0 + i,
+                  "charts/response_length": length} for i, (u, length) in enumerate(zip(updates, lengths))]
         (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (folder / "samples.jsonl").write_text("".join(json.dumps(dict(step=1, prompt=p, completion=c, reward=0.0))
-                                                      + "\n" for p, c in samples))
+        # the logged text has no stop token; the completion length that counts is the metrics' (stop included)
+        (folder / "samples.jsonl").write_text("".join(json.dumps(dict(step=1, prompt=p, completion=" 3 + 4", reward=0.0))
+                                                      + "\n" for p in prompts))
         return folder
 
-    first = run("G4__1__100", [10.0, 30.0, 50.0], [("Using the numbers [3, 4]", " 3 + 4")])
-    second = run("G4__2__200", [20.0, 40.0], [("create an equation", " The target is 12. I will try 3 * 4.")])
-    other = run("G2__1__300", [7.0], [("x", "y")])
+    prompts = [common.make_prompt(tokenizer, dict(nums=[3, 4], target=7)),
+               common.make_prompt(tokenizer, dict(nums=[13, 14], target=182))]
+    first = run("G4__1__100", [10.0, 30.0, 50.0], [30.0, 32.0, 34.0], prompts[:1])
+    second = run("G4__2__200", [20.0, 40.0], [36.0, 38.0], prompts[1:])
+    other = run("G2__1__300", [7.0], [5.0], prompts[:1])
     got = step_breakdown.breakdown([first, second, other], tokenizer)
 
-    count = lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
     assert set(got) == {"experiment/G4", "experiment/G2"}
     g4 = got["experiment/G4"]
     assert (g4["runs"], g4["steps"]) == (2, 5)
     assert (g4["generation"], g4["update"], g4["step"]) == (2.0, 30.0, 32.0)  # medians over both seeds' steps
-    assert g4["prompt"] == (count("Using the numbers [3, 4]") + count("create an equation")) / 2
-    assert g4["completion"] == (count(" 3 + 4") + count(" The target is 12. I will try 3 * 4.")) / 2
-    assert got["experiment/G2"]["update"] == 7.0
+    _, masks = common.encode_prompts(tokenizer, prompts, 1, "cpu")  # left-padded as the scripts encode them
+    assert g4["prompt"] == masks.sum().item() / 2 and g4["completion"] == 34.0
+    assert (got["experiment/G2"]["update"], got["experiment/G2"]["completion"]) == (7.0, 5.0)

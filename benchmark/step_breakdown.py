@@ -1,10 +1,11 @@
 """Where a training step's time and tokens go, read from finished runs' own records (nothing is run).
 
-For each variant (experiment folder / a run folder's name before `__seed__`): the median seconds per step of generation, of the
-update (old, reference and policy log-probs, backward, optimizer) and of the whole step, and the mean completion
-length with its stop token (`charts/response_length`), from metrics.jsonl; the mean prompt length of the logged
-training samples (samples.jsonl), encoded as the scripts encode prompts (the bundled model's tokenizer, chat
-template included). The update's forward and backward passes run over prompt and completion alike.
+For each variant (experiment folder / a run folder's name before `__seed__`): the median seconds per step of
+generation, of the update (old, reference and policy log-probs, backward, optimizer) and of the whole step,
+and the mean completion length with its stop token (`charts/response_length`), from metrics.jsonl; the mean
+prompt length of the logged training samples (samples.jsonl), encoded by common.encode_prompts (the bundled
+model's tokenizer, chat template included). The update's forward and backward passes run over prompt and
+completion alike.
 
     python benchmark/step_breakdown.py study/results/cpu/algorithms/*__* study/results/cpu/group-size/G4__*
 """
@@ -23,9 +24,10 @@ from plot import read_rows  # noqa: E402
 
 
 def prompt_tokens(run: Path, tokenizer) -> list[int]:
-    """Token counts of the run's logged training prompts, encoded as common.encode_prompts does."""
-    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
-    return [len(tokenizer(sample["prompt"], add_special_tokens=False).input_ids) for sample in samples]
+    """Token counts of the run's logged training prompts, encoded by the scripts' own common.encode_prompts."""
+    prompts = [json.loads(line)["prompt"] for line in (run / "samples.jsonl").read_text().splitlines()]
+    _, mask = common.encode_prompts(tokenizer, prompts, 1, "cpu")
+    return mask.sum(dim=1).tolist()
 
 
 def breakdown(runs: list[Path], tokenizer) -> dict[str, dict]:

@@ -432,8 +432,8 @@ def test_step_breakdown_pools_each_variants_training_steps_and_counts_tokens_as_
                   "charts/response_length": length} for i, (u, length) in enumerate(zip(updates, lengths))]
         (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         # the logged text has no stop token; the completion length that counts is the metrics' (stop included)
-        (folder / "samples.jsonl").write_text("".join(json.dumps(dict(step=1, prompt=p, completion=" 3 + 4", reward=0.0))
-                                                      + "\n" for p in prompts))
+        samples = [dict(step=1, prompt=p, completion=" 3 + 4", reward=0.0) for p in prompts]
+        (folder / "samples.jsonl").write_text("".join(json.dumps(sample) + "\n" for sample in samples))
         return folder
 
     prompts = [common.make_prompt(tokenizer, dict(nums=[3, 4], target=7)),

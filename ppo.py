@@ -54,7 +54,7 @@ class Args:
 
     # The algorithm's hyper-parameters (the ones the paper varies)
     prompts_per_step: int = 32
-    """prompts per step over all processes (64 x 1 = GRPO's default 8 x 8 completions per step)"""
+    """prompts per step over all processes (32 x 1 = GRPO's default 16 x 2 completions per step)"""
     group_size: int = 1
     """completions sampled per prompt (verl's rollout.n); PPO needs no group, the critic is its baseline"""
     learning_rate: float = 1e-5

@@ -130,6 +130,9 @@ class Args:
     summary: bool = False
     """print markdown tables of the experiment's runs (as in study/README.md) and whether the paper's findings
     held, instead of running anything"""
+    baselines: bool = False
+    """print each rung's held-out split (tasks per operator of the hidden solution) and what the best constant
+    answer and a uniform guess score on the tasks the runs evaluate on, instead of running anything (CPU scale)"""
     only: tuple[str, ...] = ()
     """run only these variants of the experiment (e.g. `--only grpo dapo`); default: all"""
     extra: str = ""
@@ -612,6 +615,37 @@ def verdict_table(runs: Runs, experiment: str) -> str:
     return "\n".join(lines)
 
 
+RUNG_FLAGS = ("task_min_numbers", "task_max_numbers", "task_max_value", "task_operators", "test_size", "eval_size")
+
+
+def baseline_table(experiments: list[str], only: tuple[str, ...] = ()) -> str:
+    """One markdown row per distinct rung among the experiments' CPU variants: the tasks each evaluation uses
+    (load_countdown's held-out split, as the scripts draw it), by the operators of their hidden solution, and
+    what answering without reading the target scores on them (common.constant_baselines)."""
+    lines = ["| variants | `--task-*` | held-out tasks evaluated | by operators | best constant | uniform guess |",
+             "|---|---|---|---|---|---|"]
+    rungs: dict[tuple, list[str]] = {}
+    for experiment in experiments:
+        for variant, script, changes in EXPERIMENTS[experiment][1]:
+            if not only or variant in only:
+                flags = {**CPU, **CPU_SCRIPT[script], **changes}
+                rungs.setdefault(tuple(flags[k] for k in RUNG_FLAGS), []).append(f"{experiment}/{variant}")
+    for (low, high, max_value, operators, test_size, eval_size), names in rungs.items():
+        whole = [e for e in experiments if all(f"{e}/{v}" in names for v, _, _ in EXPERIMENTS[e][1])]
+        names = whole + [n for n in names if n.split("/")[0] not in whole]  # an experiment all on this rung: its name
+        _, held_out = common.load_countdown("generated", test_size, seed=1, train_size=1, min_numbers=low,
+                                            max_numbers=high, max_value=max_value, operators=operators)
+        tasks = held_out[:eval_size]
+        counts = Counter(common.operator_class(t) for t in tasks)
+        by_class = ", ".join(f"`{c}` {n}" for c, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+        constants = common.constant_baselines(tasks)
+        numbers = f"{low}" if low == high else f"{low}-{high}"
+        lines.append(f"| {', '.join(names)} | {numbers} numbers up to {max_value}, `{' '.join(operators)}` | "
+                     f"{len(tasks)} | {by_class} | {percent(constants['best_constant'])} "
+                     f"(`{constants['best_constant_template']}`) | {percent(constants['uniform_guess'])} |")
+    return "\n".join(lines)
+
+
 def shown(cmd: list[str]) -> str:
     """The command as a person would type it: `python grpo.py ...` from the repository root."""
     script = Path(cmd[1])
@@ -635,6 +669,11 @@ def main(args: Args) -> int:
         experiments = [e for e in experiments if e not in CPU_ONLY]
     known = {v for e in experiments for v, _, _ in EXPERIMENTS[e][1]}
     common.require(set(args.only) <= known, "only", list(args.only), f"variants of {args.experiment}: {sorted(known)}")
+    if args.baselines:
+        common.require(args.scale == "cpu", "scale", args.scale, "`cpu` with --baselines (the paper's held-out "
+                       "tasks are the hub dataset's, which this machine may not have)")
+        print(baseline_table(experiments, args.only))
+        return 0
     if args.summary:
         for experiment in experiments:
             out_dir = Path(args.root) / args.scale / experiment

@@ -445,3 +445,23 @@ def test_the_summary_ends_with_the_verdicts_where_the_paper_has_findings(tmp_pat
     assert f"{study.FINDINGS['group-size'][0].claim} | `charts/eval_accuracy` | `G8` 0.8 (0.8-0.8, n=2)" in printed
     assert study.main(script_args(study, experiment="ladder", root=str(tmp_path), summary=True)) == 0
     assert "paper's finding" not in capsys.readouterr().out
+
+
+def test_each_rungs_baselines_are_scored_on_the_tasks_its_runs_evaluate_and_committed(capsys):
+    """Rung 1 is solved by a constant; the CPU rung's split is half sums, half products, so no constant passes
+    50%; rung 4's three operator patterns cap it near a third. The committed table is this command's output."""
+    rungs = ("rung1-2nums-plus", "rung2-2nums-plustimes", "rung4-3nums-plusminus")
+    assert study.main(script_args(study, experiment="ladder", baselines=True, only=rungs)) == 0
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in capsys.readouterr().out.splitlines()[2:]}
+    assert rows["ladder/rung1-2nums-plus"][2:4] == ["`+` 128", "100.0% (`n1 + n2`)"]
+    assert rows["ladder/rung2-2nums-plustimes"][1:4] == ["128", "`*` 64, `+` 64", "50.0% (`n1 + n2`)"]
+    assert rows["ladder/rung4-3nums-plusminus"][2] == "`++` 43, `+-` 43, `--` 42"
+    committed = (ROOT / "study" / "results" / "cpu" / "baselines.md").read_text().splitlines()[2:]
+    committed = [line.split(" | ")[1:] for line in committed]
+    for row in rows.values():
+        assert row in committed
+
+
+def test_baselines_are_refused_at_the_papers_scale():
+    with pytest.raises(common.ConfigError, match="--scale='paper' is not allowed"):
+        study.main(script_args(study, experiment="kl", scale="paper", baselines=True))

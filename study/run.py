@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 import bookkeeping  # noqa: E402
 import common  # noqa: E402
 import evaluate  # noqa: E402
-from plot import NOT_LABELS, read_rows  # noqa: E402
+from plot import NOT_LABELS, read_rows, rung_name  # noqa: E402
 
 # What every run of a scale shares. Paper: README "The paper's setup".
 PAPER = dict(model="Qwen/Qwen2.5-1.5B-Instruct", dataset="Jiayi-Pan/Countdown-Tasks-3to4", max_new_tokens=1024,
@@ -150,26 +150,33 @@ def flag_list(flags: dict) -> list[str]:
     return out
 
 
+def variant_flags(scale: str, name: str, script: str, changes: dict, steps: int = 0) -> dict:
+    """The script flags of one variant at a scale: the scale's defaults, the script's, the variant's changes,
+    with its scale factors applied (steps: 0 keeps the scale's --num-steps)."""
+    base, per_script = (PAPER, PAPER_SCRIPT) if scale == "paper" else (CPU, CPU_SCRIPT)
+    flags = {**base, **per_script[script], **changes}
+    if steps:
+        flags["num_steps"] = steps
+    if "learning_rate_scale" in flags:
+        flags["learning_rate"] = flags["learning_rate"] * flags.pop("learning_rate_scale")
+    if "prompts_per_step_scale" in flags:
+        prompts = flags["prompts_per_step"] * flags.pop("prompts_per_step_scale")
+        if prompts < 1 or prompts != int(prompts):
+            raise ValueError(f"{name}: {prompts} prompts per step is not a whole number >= 1")
+        flags["prompts_per_step"] = int(prompts)
+    return flags
+
+
 def run_commands(args: Args, experiment: str) -> list[tuple[str, list[str]]]:
     """(variant, command) for each run of the experiment and seed, each resumed, replaced or skipped as its
     folder says."""
-    base, per_script = (PAPER, PAPER_SCRIPT) if args.scale == "paper" else (CPU, CPU_SCRIPT)
     out_dir = Path(args.root) / args.scale / experiment
     commands = []
     for seed in args.seeds:  # every variant's first seed before any second one: a stopped study compares all
         for variant, script, changes in EXPERIMENTS[experiment][1]:
             if args.only and variant not in args.only:
                 continue
-            flags = {**base, **per_script[script], **changes}
-            if args.steps:
-                flags["num_steps"] = args.steps
-            if "learning_rate_scale" in flags:
-                flags["learning_rate"] = flags["learning_rate"] * flags.pop("learning_rate_scale")
-            if "prompts_per_step_scale" in flags:
-                prompts = flags["prompts_per_step"] * flags.pop("prompts_per_step_scale")
-                if prompts < 1 or prompts != int(prompts):
-                    raise ValueError(f"{experiment}/{variant}: {prompts} prompts per step is not a whole number >= 1")
-                flags["prompts_per_step"] = int(prompts)
+            flags = variant_flags(args.scale, f"{experiment}/{variant}", script, changes, args.steps)
             flags.update(exp_name=variant, seed=seed, runs_dir=str(out_dir))
             state, folder = run_state(out_dir, variant, flags["num_steps"], seed, args.dry_run)
             if state == "finished":
@@ -622,15 +629,17 @@ def baseline_table(experiments: list[str], only: tuple[str, ...] = ()) -> str:
     """One markdown row per distinct rung among the experiments' CPU variants: the tasks each evaluation uses
     (load_countdown's held-out split, as the scripts draw it), by the operators of their hidden solution, and
     what answering without reading the target scores on them (common.constant_baselines)."""
-    lines = ["| variants | `--task-*` | held-out tasks evaluated | by operators | best constant | uniform guess |",
+    lines = ["| variants | rung (`--task-*`) | held-out tasks evaluated | by operators | best constant "
+             "| uniform guess |",
              "|---|---|---|---|---|---|"]
     rungs: dict[tuple, list[str]] = {}
     for experiment in experiments:
         for variant, script, changes in EXPERIMENTS[experiment][1]:
             if not only or variant in only:
-                flags = {**CPU, **CPU_SCRIPT[script], **changes}
+                flags = variant_flags("cpu", f"{experiment}/{variant}", script, changes)
                 rungs.setdefault(tuple(flags[k] for k in RUNG_FLAGS), []).append(f"{experiment}/{variant}")
-    for (low, high, max_value, operators, test_size, eval_size), names in rungs.items():
+    for rung, names in rungs.items():
+        low, high, max_value, operators, test_size, eval_size = rung
         whole = [e for e in experiments if all(f"{e}/{v}" in names for v, _, _ in EXPERIMENTS[e][1])]
         names = whole + [n for n in names if n.split("/")[0] not in whole]  # an experiment all on this rung: its name
         _, held_out = common.load_countdown("generated", test_size, seed=1, train_size=1, min_numbers=low,
@@ -639,10 +648,11 @@ def baseline_table(experiments: list[str], only: tuple[str, ...] = ()) -> str:
         counts = Counter(common.operator_class(t) for t in tasks)
         by_class = ", ".join(f"`{c}` {n}" for c, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
         constants = common.constant_baselines(tasks)
-        numbers = f"{low}" if low == high else f"{low}-{high}"
-        lines.append(f"| {', '.join(names)} | {numbers} numbers up to {max_value}, `{' '.join(operators)}` | "
+        # a template per number count, joined by |, which would end the markdown cell
+        template = constants["best_constant_template"].replace("|", r"\|")
+        lines.append(f"| {', '.join(names)} | {rung_name(dict(zip(RUNG_FLAGS, rung)))} | "
                      f"{len(tasks)} | {by_class} | {percent(constants['best_constant'])} "
-                     f"(`{constants['best_constant_template']}`) | {percent(constants['uniform_guess'])} |")
+                     f"(`{template}`) | {percent(constants['uniform_guess'])} |")
     return "\n".join(lines)
 
 

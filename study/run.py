@@ -564,6 +564,10 @@ FINDINGS = {
                 "losses/surrogate")),
     "dapo-group-size": (  # G8 and G2-beta0 differ in G alone: DAPO's beta is 0
         Finding("Fig. 8(a): a larger group size leads to higher model accuracy", "G8", "G2-beta0"),
+        Finding("Section 3.6: at G = 2 without the KL penalty, the model performs poorly", "G2-beta0.01",
+                "G2-beta0"),
+        Finding("Section 3.6: without the KL penalty at G = 2, the policy gradient is much larger", "G2-beta0",
+                "G2-beta0.01", "losses/grad_norm"),
         Finding("Fig. 8(b): at G = 2 without KL, responses are noticeably shorter than with a KL penalty",
                 "G2-beta0.01", "G2-beta0", "charts/response_length"),
         Finding("Fig. 8(b): at G = 2 without KL, responses are noticeably shorter than at larger group sizes", "G8",

@@ -355,8 +355,9 @@ def summary_table(runs_of: Runs) -> str:
     """One markdown row per variant of `runs_of` (variant_runs), over its seeds (mean, and min-max when there are
     several): held-out greedy accuracy at step 0 and at the end beside the best constant answer and a uniform guess on
     the same tasks, the final gain over the best constant, the share of groups whose rewards were all equal
-    (zero advantage: no reward signal from them) over all steps, the last step's entropy and length, seconds per
-    step and wall time (logged)."""
+    (zero advantage: no reward signal from them) over all steps, the last update's entropy (a DAPO step whose
+    dynamic sampling found no informative group makes none) and the last step's length, seconds per step and wall
+    time (logged)."""
     lines = ["| run | seeds | steps | best constant | uniform guess | acc step 0 | final acc | min-max | "
              "gain over constant | equal-reward groups | entropy at the end | length at the end | s/step "
              "| wall (per seed) |",
@@ -380,10 +381,15 @@ def summary_table(runs_of: Runs) -> str:
             f"{fmean([e[0]['charts/eval_accuracy'] for e in evals]):.3f} | {fmean(final):.3f} | "
             f"{min(final):.3f}-{max(final):.3f} | {fmean(final) - constant:+.3f} | "
             f"{f'{fmean(equal):.3f}' if equal else '-'} | "
-            f"{fmean([t[-1].get('losses/entropy', float('nan')) for t in train]):.3f} | "
+            f"{fmean([last_logged(t, 'losses/entropy') for t in train]):.3f} | "
             f"{fmean([t[-1]['charts/response_length'] for t in train]):.1f} | {step_times[len(step_times) // 2]:.0f} | "
             f"{fmean([wall_minutes(rows) for rows in runs]):.0f} min |")
     return "\n".join(lines)
+
+
+def last_logged(rows: list[dict], metric: str) -> float:
+    """The metric's value at the last step that logged it (nan if none did)."""
+    return next((r[metric] for r in reversed(rows) if metric in r), float("nan"))
 
 
 def percent(fraction: float) -> str:

@@ -340,6 +340,19 @@ def test_the_summary_gives_the_share_of_groups_that_carried_no_gradient(tmp_path
     assert grpo_row.split(" | ")[column] == "0.667" and ppo_row.split(" | ")[column] == "-"
 
 
+def test_the_summarys_entropy_is_the_last_updates_when_dynamic_sampling_skipped_the_last_step(tmp_path):
+    """A DAPO step whose generation batches held no informative group makes no update and logs no losses: the
+    entropy at the end is that of the last update (0.02 at step 59), per seed (0.04 in seed 2: mean 0.03)."""
+    for seed, entropy in ((1, 0.02), (2, 0.04)):
+        fake_run(tmp_path, "ds", seed, 0.9, num_steps=60, last_step=60)
+        rows = [{"step": 0, "charts/eval_accuracy": 0.5},
+                {"step": 59, "time/step": 1.0, "charts/response_length": 30.0, "losses/entropy": entropy},
+                {"step": 60, "time/step": 1.0, "charts/response_length": 30.0, "charts/eval_accuracy": 0.9}]
+        (tmp_path / f"ds__{seed}__1700000000" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    header, _, row = study.summary_table(study.variant_runs(tmp_path)).splitlines()
+    assert row.split(" | ")[header.split(" | ").index("entropy at the end")] == "0.030"
+
+
 def test_the_summary_gives_each_runs_accuracy_per_step_above_its_baselines(tmp_path):
     """One row per run, then one row per baseline value naming the variants evaluated on those tasks."""
     for variant, seed, constant in (("grpo", 1, 0.5), ("grpo", 2, 0.5), ("rung1", 1, 1.0)):

@@ -4,8 +4,8 @@
 DAPO on the Countdown game: paper section 2.3, equation 12 (objective), 10 (advantage).
 
 DAPO is GRPO (grpo.py) with four changes: clip-higher (clip_low < clip_high), token-level loss
-aggregation over the whole batch, dynamic sampling (drop groups whose rewards are all equal and sample
-more), and overlong reward shaping; no KL term by default. `diff grpo.py dapo.py` shows exactly those.
+aggregation over the whole batch, dynamic sampling (drop groups whose answers are all right or all wrong
+and sample more), and overlong reward shaping; no KL term by default. `diff grpo.py dapo.py` shows exactly those.
 
     python dapo.py                                             # bundled SmolLM2-135M, CPU, offline
     python dapo.py --model Qwen/Qwen2.5-1.5B-Instruct --no-dynamic-sampling   # the paper's best, GPU

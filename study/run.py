@@ -65,7 +65,8 @@ CPU = dict(model="bundled-warm", task_min_numbers=2, task_max_numbers=2, task_ma
            max_new_tokens=48, learning_rate=1e-5, num_steps=60, eval_every=10, eval_size=128, test_size=128,
            save_every=5, keep_checkpoints=1, micro_batch_size=16, log_samples_every=5)
 CPU_SCRIPT = {  # 32 completions per step for every algorithm, over 16 prompts (G = 2) so that each step holds sums
-    # and products alike: with 4 or 8 prompts the policy swung from one operator to the other (study/README, pilots)
+    # and products alike: with 4 or 8 prompts the policy swung from one operator to the other (study/README, pilots);
+    # DAPO with dynamic sampling (dynamic-sampling's ds) generates up to 4 such batches and trains on at most 32
     "ppo": dict(prompts_per_step=32, group_size=1, num_minibatches=2, critic_learning_rate=1e-4, beta=0.001),
     "grpo": dict(prompts_per_step=16, group_size=2, num_minibatches=2, beta=0.01),
     "dapo": dict(prompts_per_step=16, group_size=2, num_minibatches=2, clip_low=0.2, clip_high=0.28, beta=0.0,

@@ -241,16 +241,56 @@ def test_the_summary_wall_time_is_the_logged_time_not_file_dates():
 def test_the_readme_quick_start_is_the_studys_grpo_run():
     """The quick start's command is `python grpo.py` without flags, and its defaults are the CPU study's GRPO
     run (bookkeeping flags aside), so the numbers study/README.md reports are what a newcomer's first run does."""
-    import re
-
     quick_start = (ROOT / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
     assert re.findall(r"^python grpo\.py$", quick_start, flags=re.M) == ["python grpo.py"]
-    (_, cmd), *_ = study.run_commands(script_args(study, experiment="algorithms", only=("grpo",), root="/nonexistent"),
-                                      "algorithms")
-    study_run = flat_args(tyro.cli(grpo.Args, args=cmd[2:]))
-    bookkeeping = {"runs_dir", "micro_batch_size", "keep_checkpoints", "save_every", "log_samples_every"}
-    assert {k: v for k, v in flat_args(script_args(grpo)).items() if k not in bookkeeping} == \
-        {k: v for k, v in study_run.items() if k not in bookkeeping}
+
+
+BOOKKEEPING_FLAGS = {"runs_dir", "micro_batch_size", "keep_checkpoints", "save_every", "log_samples_every"}
+
+
+def quick_start_results():
+    """The quick start's results table: (command, seeds, accuracy, s per step, experiment, variant) per row."""
+    quick_start = (ROOT / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(python \w+\.py[^`]*)`[^|]* \| (\d+) \| ([^|]+) \| ([^|]+) \| `([\w-]+)` ([\w.-]+) \|$",
+                      quick_start, flags=re.M)
+    return [tuple(cell.strip() for cell in row) for row in rows]
+
+
+@pytest.mark.parametrize("row", quick_start_results(), ids=lambda row: row[0])
+def test_each_quick_start_result_is_the_study_run_it_names(row):
+    """Each command in the quick start's table trains what its study run trained (its flags, the script's
+    defaults), and the row's numbers recompute from that run's committed metrics.jsonl."""
+    command, seeds, accuracy, seconds, experiment, variant = row
+    script_name, *flags = shlex.split(command)[1:]
+    script = importlib.import_module(script_name[:-3])
+    (_, cmd), *_ = study.run_commands(script_args(study, experiment=experiment, only=(variant,),
+                                                  root="/nonexistent"), experiment)
+    assert cmd[1].endswith(script_name)
+    readme_run = flat_args(tyro.cli(script.Args, args=flags))
+    study_run = flat_args(tyro.cli(script.Args, args=cmd[2:]))
+    assert {k: v for k, v in readme_run.items() if k not in BOOKKEEPING_FLAGS | {"exp_name", "seed"}} == \
+        {k: v for k, v in study_run.items() if k not in BOOKKEEPING_FLAGS | {"exp_name", "seed"}}
+
+    runs = sorted((ROOT / "study" / "results" / "cpu" / experiment).glob(f"{variant}__*"))
+    final, step_seconds = [], []
+    for run in runs:
+        _, rows = read_metrics(run)
+        final += [r["charts/eval_accuracy"] for r in rows if r["step"] == 60 and "charts/eval_accuracy" in r]
+        times = sorted(r["time/step"] for r in rows if "time/step" in r)
+        step_seconds.append(round((times[(len(times) - 1) // 2] + times[len(times) // 2]) / 2))
+    assert len(final) == len(runs) == int(seeds)
+    pct = lambda x: f"{100 * x:.1f}"
+    assert accuracy == f"{pct(sum(final) / len(final))}% ({pct(min(final))}-{pct(max(final))}%)"
+    step_seconds.sort()
+    assert seconds == (", ".join(map(str, step_seconds)) if len(runs) == 2 else f"{step_seconds[0]}-{step_seconds[-1]}")
+
+
+def test_the_quick_start_results_table_is_read_whole():
+    """Every row of the table is checked above: none is skipped by a pattern that failed to match it."""
+    quick_start = (ROOT / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    rows = quick_start_results()
+    assert len(rows) == len(re.findall(r"^\| `python ", quick_start, flags=re.M)) >= 9
+    assert [row[4:] for row in rows[:3]] == [("algorithms", "grpo"), ("algorithms", "ppo"), ("algorithms", "dapo")]
 
 
 def test_the_operator_table_reads_each_runs_final_evaluation(tmp_path):

@@ -34,7 +34,7 @@ from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from statistics import fmean
+from statistics import fmean, median
 from typing import Literal
 
 import tyro
@@ -375,7 +375,7 @@ def summary_table(runs_of: Runs) -> str:
         constant = evals[0][0].get("charts/eval_best_constant", float("nan"))
         guess = evals[0][0].get("charts/eval_uniform_guess", float("nan"))
         train = [[r for r in rows if r["step"] >= 1] for rows in runs]
-        step_times = sorted(r["time/step"] for t in train for r in t)
+        step_times = [r["time/step"] for t in train for r in t]
         equal = [r["charts/zero_std_fraction"] for t in train for r in t if "charts/zero_std_fraction" in r]
         lines.append(
             f"| {name} | {len(runs)} | {min(t[-1]['step'] for t in train)} | {constant:.3f} | {guess:.3f} | "
@@ -383,7 +383,7 @@ def summary_table(runs_of: Runs) -> str:
             f"{min(final):.3f}-{max(final):.3f} | {fmean(final) - constant:+.3f} | "
             f"{f'{fmean(equal):.3f}' if equal else '-'} | "
             f"{fmean([last_logged(t, 'losses/entropy') for t in train]):.3f} | "
-            f"{fmean([t[-1]['charts/response_length'] for t in train]):.1f} | {step_times[len(step_times) // 2]:.0f} | "
+            f"{fmean([t[-1]['charts/response_length'] for t in train]):.1f} | {median(step_times):.0f} | "
             f"{fmean([wall_minutes(rows) for rows in runs]):.0f} min |")
     return "\n".join(lines)
 

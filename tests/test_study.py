@@ -380,6 +380,19 @@ def test_the_summary_gives_the_share_of_groups_that_carried_no_gradient(tmp_path
     assert grpo_row.split(" | ")[column] == "0.667" and ppo_row.split(" | ")[column] == "-"
 
 
+def test_the_summarys_step_time_is_the_median_of_every_seeds_steps(tmp_path):
+    """An even count of steps has two middle values: the median is their mean (96.35 and 96.61 s: 96, not the
+    upper one's 97), over the steps of every seed together."""
+    for seed, (first, second) in ((1, (96.35, 200.0)), (2, (96.61, 10.0))):
+        fake_run(tmp_path, "ds", seed, 0.9, num_steps=2, last_step=2)
+        rows = [{"step": 0, "charts/eval_accuracy": 0.5},
+                {"step": 1, "time/step": first, "charts/response_length": 30.0},
+                {"step": 2, "time/step": second, "charts/response_length": 30.0, "charts/eval_accuracy": 0.9}]
+        (tmp_path / f"ds__{seed}__1700000000" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    header, _, row = study.summary_table(study.variant_runs(tmp_path)).splitlines()
+    assert row.split(" | ")[header.split(" | ").index("s/step")] == "96"
+
+
 def test_the_summarys_entropy_is_the_last_updates_when_dynamic_sampling_skipped_the_last_step(tmp_path):
     """A DAPO step whose generation batches held no informative group makes no update and logs no losses: the
     entropy at the end is that of the last update (0.02 at step 59), per seed (0.04 in seed 2: mean 0.03)."""

@@ -9,6 +9,7 @@ import os
 import re
 import shlex
 import shutil
+import statistics
 import sys
 from pathlib import Path
 
@@ -239,8 +240,8 @@ def test_the_summary_wall_time_is_the_logged_time_not_file_dates():
 
 
 def test_the_readme_quick_start_is_the_studys_grpo_run():
-    """The quick start's command is `python grpo.py` without flags, and its defaults are the CPU study's GRPO
-    run (bookkeeping flags aside), so the numbers study/README.md reports are what a newcomer's first run does."""
+    """The quick start's command is `python grpo.py` without flags; the results table's first row (checked
+    below) shows that it trains what the CPU study's GRPO run trained, so its numbers are a newcomer's first run."""
     quick_start = (ROOT / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
     assert re.findall(r"^python grpo\.py$", quick_start, flags=re.M) == ["python grpo.py"]
 
@@ -276,8 +277,7 @@ def test_each_quick_start_result_is_the_study_run_it_names(row):
     for run in runs:
         _, rows = read_metrics(run)
         final += [r["charts/eval_accuracy"] for r in rows if r["step"] == 60 and "charts/eval_accuracy" in r]
-        times = sorted(r["time/step"] for r in rows if "time/step" in r)
-        step_seconds.append(round((times[(len(times) - 1) // 2] + times[len(times) // 2]) / 2))
+        step_seconds.append(round(statistics.median(r["time/step"] for r in rows if "time/step" in r)))
     assert len(final) == len(runs) == int(seeds)
     pct = lambda x: f"{100 * x:.1f}"
     assert accuracy == f"{pct(sum(final) / len(final))}% ({pct(min(final))}-{pct(max(final))}%)"
@@ -286,7 +286,8 @@ def test_each_quick_start_result_is_the_study_run_it_names(row):
 
 
 def test_the_quick_start_results_table_is_read_whole():
-    """Every row of the table is checked above: none is skipped by a pattern that failed to match it."""
+    """Every row of the table is checked above (none is skipped by a pattern that failed to match it), and the
+    first is the quick start's own command."""
     quick_start = (ROOT / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
     rows = quick_start_results()
     assert len(rows) == len(re.findall(r"^\| `python ", quick_start, flags=re.M)) >= 9

@@ -239,10 +239,15 @@ def test_the_summary_wall_time_is_the_logged_time_not_file_dates():
     assert study.wall_minutes(rows) == pytest.approx(150 / 60)
 
 
+def readme_quick_start() -> str:
+    """README.md's quick-start section, up to the next section."""
+    return (ROOT / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+
+
 def test_the_readme_quick_start_is_the_studys_grpo_run():
     """The quick start's command is `python grpo.py` without flags; the results table's first row (checked
     below) shows that it trains what the CPU study's GRPO run trained, so its numbers are a newcomer's first run."""
-    quick_start = (ROOT / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    quick_start = readme_quick_start()
     assert re.findall(r"^python grpo\.py$", quick_start, flags=re.M) == ["python grpo.py"]
 
 
@@ -251,7 +256,7 @@ BOOKKEEPING_FLAGS = {"runs_dir", "micro_batch_size", "keep_checkpoints", "save_e
 
 def quick_start_results():
     """The quick start's results table: (command, seeds, accuracy, s per step, experiment, variant) per row."""
-    quick_start = (ROOT / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    quick_start = readme_quick_start()
     rows = re.findall(r"^\| `(python \w+\.py[^`]*)`[^|]* \| (\d+) \| ([^|]+) \| ([^|]+) \| `([\w-]+)` ([\w.-]+) \|$",
                       quick_start, flags=re.M)
     return [tuple(cell.strip() for cell in row) for row in rows]
@@ -288,7 +293,7 @@ def test_each_quick_start_result_is_the_study_run_it_names(row):
 def test_the_quick_start_results_table_is_read_whole():
     """Every row of the table is checked above (none is skipped by a pattern that failed to match it), and the
     first is the quick start's own command."""
-    quick_start = (ROOT / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    quick_start = readme_quick_start()
     rows = quick_start_results()
     assert len(rows) == len(re.findall(r"^\| `python ", quick_start, flags=re.M)) >= 9
     assert [row[4:] for row in rows[:3]] == [("algorithms", "grpo"), ("algorithms", "ppo"), ("algorithms", "dapo")]

@@ -3,7 +3,7 @@ that differ; runs that differ only in seed are one mean line with a min-max band
 own).
 
     python plot.py runs/grpo__1__1764000000 runs/dapo__1__1764000100 --out compare.png
-    python plot.py study/cpu/group_size --metrics charts/eval_accuracy losses/entropy --smooth 0.6
+    python plot.py study/results/cpu/group-size --metrics charts/eval_accuracy losses/entropy --smooth 0.6
     tensorboard --logdir runs                                   # the same curves, live
 
 A folder without metrics.jsonl stands for the run folders inside it. The default panels are the curves
@@ -48,7 +48,8 @@ ACCURACY_PANELS = {"charts/eval_accuracy"}
 BASELINES = {"charts/eval_best_constant": ("--", "best constant answer"),
              "charts/eval_uniform_guess": (":", "uniform guess")}
 FORMATS = (".png", ".pdf", ".svg")
-STYLES = ("-", "--", ":", "-.")  # with 20 colours: 80 distinct lines
+STYLES = ("-", "-.")  # with 20 colours: 40 distinct lines; "--" and ":" are the baselines'
+
 MAX_LINES = 20  # more lines per panel than colours: warn
 
 
@@ -231,17 +232,19 @@ def draw_group(panel, curve: tuple, style: tuple, smooth: float) -> None:
     panel.plot(steps, mean, color=color, linestyle=dash, marker="o" if sparse else None, markersize=3)
 
 
-def draw_baselines(panel, data: list[list[list[dict]]], styles: list[tuple]) -> list[str]:
+def draw_baselines(panel, data: list[list[list[dict]]], styles: list[tuple]) -> dict[str, bool]:
     """The held-out set's baselines as horizontal lines: grey when all groups share the value, else each in its
-    group's colour (different task settings); returns the baseline keys drawn, for the legend."""
-    drawn = []
+    group's colour (different task settings); returns, for the legend, each baseline drawn and whether it was
+    one grey line."""
+    drawn = {}
     for key, (dash, _) in BASELINES.items():
         found = [(value, color) for d, (color, _) in zip(data, styles) if (value := baseline(d, key)) is not None]
-        if len({value for value, _ in found}) == 1:
+        if shared := len({value for value, _ in found}) == 1:
             found = [(found[0][0], "0.35")]
         for value, color in found:
             panel.axhline(value, color=color, linestyle=dash, linewidth=1, alpha=0.9)
-        drawn += [key] if found else []
+        if found:
+            drawn[key] = drawn.get(key, True) and shared
     return drawn
 
 
@@ -269,13 +272,14 @@ def figure(args: Args):
     columns = min(3, len(metrics))
     fig = Figure(figsize=(5 * columns, 3.4 * math.ceil(len(metrics) / columns)))
     axes = fig.subplots(math.ceil(len(metrics) / columns), columns, squeeze=False)
-    baselines = set()
+    baselines: dict[str, bool] = {}
     for panel, metric in zip(axes.flat, metrics):
         for group_data, style in zip(data, styles):
             if (curve := series(group_data, metric))[0]:
                 draw_group(panel, curve, style, args.smooth)
         if metric in ACCURACY_PANELS:
-            baselines.update(draw_baselines(panel, data, styles))
+            for key, shared in draw_baselines(panel, data, styles).items():
+                baselines[key] = baselines.get(key, True) and shared
         panel.set_title(tex_safe(TITLES.get(metric, metric)))
         panel.set_xlabel("training step")
         panel.set_ylabel(YLABELS.get(metric, ""))
@@ -285,17 +289,19 @@ def figure(args: Args):
     if title := ": ".join(x for x in (args.title, shared_rung(groups)) if x):
         fig.suptitle(tex_safe(title))
     fig.tight_layout()
-    add_legend(fig, labels(groups), styles, [k for k in BASELINES if k in baselines])
+    add_legend(fig, labels(groups), styles, {k: baselines[k] for k in BASELINES if k in baselines})
     return fig
 
 
-def add_legend(fig, names: list[str], styles: list[tuple], baselines: list[str]) -> None:
-    """One legend below all panels, from every group (a run missing from some panel is still named) and baseline."""
+def add_legend(fig, names: list[str], styles: list[tuple], baselines: dict[str, bool]) -> None:
+    """One legend below all panels, from every group (a run missing from some panel is still named) and baseline
+    (grey when one line served every group, else drawn in each group's colour and named so)."""
     from matplotlib.lines import Line2D
 
     handles = [Line2D([], [], color=color, linestyle=dash) for color, dash in styles]
     handles += [Line2D([], [], color="0.35", linestyle=BASELINES[k][0], linewidth=1) for k in baselines]
-    names = [tex_safe(n) for n in names] + [BASELINES[k][1] for k in baselines]
+    names = [tex_safe(n) for n in names] + [BASELINES[k][1] + ("" if shared else " (in each line's colour)")
+                                            for k, shared in baselines.items()]
     fig.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, 0), ncol=min(len(names), 3), fontsize=8,
                frameon=False)
 

@@ -171,6 +171,13 @@ def test_accuracy_panels_show_the_baselines(tmp_path):
     assert {("--", (0.25, 0.25)), (":", (0.05, 0.05))} <= flat
     assert len(reward.lines) == 1
     assert legend(fig) == ["grpo", "best constant answer", "uniform guess"]
+    other = {**GRPO, "task_operators": "+*"}  # another rung, other baselines: each in its line's colour
+    write_run(tmp_path / "two", "c", other, [{**rows[0], "charts/eval_best_constant": 0.5}])
+    fig = plot.figure(script_args(plot, runs=[str(tmp_path / "a"), str(tmp_path / "two" / "c")],
+                                  metrics=["charts/eval_accuracy"]))
+    colours = [line.get_color() for line in fig.axes[0].lines if line.get_linestyle() == "--"]
+    assert len(colours) == 2 and colours == [h.get_color() for h in fig.legends[0].legend_handles[:2]]
+    assert legend(fig)[2:] == ["best constant answer (in each line's colour)", "uniform guess"]
     write_run(tmp_path / "none", "b", GRPO, [{"step": 0, "charts/eval_accuracy": 0.1}])  # none logged: no lines
     fig = plot.figure(script_args(plot, runs=[str(tmp_path / "none")]))
     assert len(fig.axes[0].lines) == 1 and legend(fig) == ["grpo"]
@@ -225,15 +232,16 @@ def test_a_kl_to_a_reference_that_was_never_loaded_is_not_drawn(tmp_path):
     assert [len(panel.lines) for panel in fig.axes] == [1, 2] and legend(fig) == ["dapo beta=0.0", "grpo beta=0.01"]
 
 
-def test_fifty_runs_get_distinct_colour_and_style_pairs_and_a_warning(tmp_path, capsys):
-    for i in range(50):
-        write_run(tmp_path, f"run{i:02d}", {**GRPO, "learning_rate": i}, [{"step": 0, "charts/reward": i / 50}])
+def test_forty_runs_get_distinct_colour_and_style_pairs_none_a_baselines_and_a_warning(tmp_path, capsys):
+    for i in range(40):
+        write_run(tmp_path, f"run{i:02d}", {**GRPO, "learning_rate": i}, [{"step": 0, "charts/reward": i / 40}])
     fig = plot.figure(script_args(plot, runs=[str(tmp_path)], metrics=["charts/reward"]))
     handles = fig.legends[0].legend_handles
-    assert len({(h.get_color(), h.get_linestyle()) for h in handles}) == 50 == len(legend(fig))
+    assert len({(h.get_color(), h.get_linestyle()) for h in handles}) == 40 == len(legend(fig))
     assert len({h.get_color() for h in handles}) == 20
+    assert not {h.get_linestyle() for h in handles} & {dash for dash, _ in plot.BASELINES.values()}
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "50 lines per panel" in err and "fewer runs" in err
+    assert err.count("\n") == 1 and "40 lines per panel" in err and "fewer runs" in err
     fig = plot.figure(script_args(plot, runs=[str(tmp_path / f"run{i:02d}") for i in range(20)],
                                   metrics=["charts/reward"]))
     assert capsys.readouterr().err == ""

@@ -4,7 +4,7 @@ that training uses: greedy accuracy and format rate, and with --samples pass@k a
     python evaluate.py runs/grpo__1__1764000000                  # a run: its newest checkpoint, its data
     python evaluate.py runs/grpo__1__1764000000/checkpoint-100   # one checkpoint of a run
     python evaluate.py bundled                                   # a model: the base rate (step 0)
-    python evaluate.py Qwen/Qwen2.5-1.5B-Instruct --samples 8    # pass@1 and pass@8 at temperature 1
+    python evaluate.py Qwen/Qwen2.5-1.5B-Instruct --samples 8    # pass@1, 2, 4 and 8 at temperature 1
     torchrun --nproc_per_node=N evaluate.py ...                  # the tasks are sharded over processes
 
 A run's data, task and prompt settings (its args.json) are used unless a flag is typed. Prints a table and

@@ -556,6 +556,7 @@ FINDINGS = {
     "kl": (  # beta = 0.0075 and 0.01 are both "the best", 0.04 the worst; 0.01 is GRPO's default here
         Finding("Fig. 6(a): a moderate beta yields the best accuracy; beta = 0.04 significantly degrades it",
                 "beta-0.01", "beta-0.04"),
+        Finding("Fig. 6(a): further reducing beta (to 0 here) does not improve accuracy", "beta-0.01", "beta-0.0"),
         Finding("Fig. 6(b): as beta increases, the KL divergence to the reference policy decreases", "beta-0.0075",
                 "beta-0.04", "losses/kl_ref"),  # beta = 0 loads no reference model: no KL logged
         Finding("Fig. 6(c), section 3.7: as beta decreased, GRPO generated shorter responses", "beta-0.04",

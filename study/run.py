@@ -344,12 +344,20 @@ Runs = dict[str, list[tuple[Path, list[dict]]]]
 """variant -> its run folders with their metrics rows"""
 
 
+def variant_key(experiment: str):
+    """Sort key of a variant name: the order EXPERIMENTS lists the experiment's variants in (a sweep's order, beta 0
+    before 0.0075), then any other name alphabetically."""
+    order = [variant for variant, _, _ in EXPERIMENTS.get(experiment, ("", []))[1]]
+    return lambda name: (order.index(name) if name in order else len(order), name)
+
+
 def variant_runs(out_dir: Path) -> Runs:
-    """Each variant's run folders under out_dir (`<variant>__<seed>__<time>`) with their metrics rows."""
+    """Each variant's run folders under out_dir (`<variant>__<seed>__<time>`) with their metrics rows, variants in
+    the experiment's order (variant_key)."""
     variants: Runs = {}
     for folder in sorted(p for p in out_dir.glob("*__*") if (p / "metrics.jsonl").is_file()):
         variants.setdefault(folder.name.split("__")[0], []).append((folder, read_rows(folder)))
-    return variants
+    return {name: variants[name] for name in sorted(variants, key=variant_key(out_dir.name))}
 
 
 def summary_table(runs_of: Runs) -> str:
@@ -507,7 +515,9 @@ def operator_table(out_dir: Path) -> str:
     depends on the right operator, as it does for a policy that reads the target."""
     lines = ["| run | right operator | tasks | accuracy | uniform guess on them | chosen (count) "
              "| p (null: choice independent of it) |", "|---|---|---|---|---|---|---|"]
-    for folder in sorted(out_dir.glob(f"*__*/{FINAL_EVAL}")):
+    key = variant_key(out_dir.name)
+    for folder in sorted(out_dir.glob(f"*__*/{FINAL_EVAL}"), key=lambda f: (key(f.parent.name.split("__")[0]),
+                                                                           f.parent.name)):
         rows = [json.loads(line) for line in folder.read_text().splitlines() if line.strip()]
         by_class = (rows[-1].get("by_operator_class") or {}) if rows else {}
         guess = class_uniform_guesses(folder.parent / FINAL_DETAILS)

@@ -372,6 +372,21 @@ def fake_run(out_dir, variant, seed, value, metric="charts/eval_accuracy", num_s
     (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
+def test_tables_list_a_sweeps_variants_in_its_order_not_by_name(tmp_path):
+    """By name, "beta-0.0__" sorts after "beta-0.04__" ("_" after digits); the tables follow EXPERIMENTS' order
+    (beta 0, 0.0075, 0.01, 0.04), a variant the experiment does not list last; the per-operator table too."""
+    out_dir = tmp_path / "kl"
+    for variant in ("beta-0.04", "beta-0.0", "extra", "beta-0.01", "beta-0.0075"):
+        fake_run(out_dir, variant, 1, 0.5)
+        (out_dir / f"{variant}__1__1700000000" / study.FINAL_EVAL).write_text(json.dumps(
+            {"by_operator_class": {"+": {"tasks": 1, "accuracy": 1.0, "chosen": {"+": 1}}}}) + "\n")
+    expected = ["beta-0.0", "beta-0.0075", "beta-0.01", "beta-0.04", "extra"]
+    assert [row.split(" | ")[0][2:] for row in study.summary_table(study.variant_runs(out_dir)).splitlines()[2:]] \
+        == expected
+    assert [row.split(" | ")[0][2:].split("__")[0] for row in study.operator_table(out_dir).splitlines()[2:]] \
+        == expected
+
+
 def test_the_summary_gives_the_share_of_groups_that_carried_no_gradient(tmp_path):
     """GRPO and DAPO log each step's share of groups with equal rewards; the summary gives its mean over every
     step of every seed (0.25 and 0.75 in seed 1, 1.0 in seed 2: 2/3), and "-" for PPO, which has no groups."""

@@ -1,5 +1,5 @@
 """Plot runs: one figure (PNG, PDF or SVG) with a panel per metric and a line per setting, labelled by the flags
-that differ; runs that differ only in seed are one mean line with a min-max band (a repeated seed is a line of its
+that differ and ordered by their values; runs that differ only in seed are one mean line with a min-max band (a repeated seed is a line of its
 own).
 
     python plot.py runs/grpo__1__1764000000 runs/dapo__1__1764000100 --out compare.png
@@ -168,14 +168,32 @@ def shared_rung(groups: list[list[Path]]) -> str:
     return rungs.pop() if len(rungs) == 1 else ""
 
 
-def labels(groups: list[list[Path]]) -> list[str]:
-    """Each group (of seeds) named by its script and the flags that differ between groups, task settings as a rung."""
-    saved = [load_args(group[0]) for group in groups]
-    known = [s for s in saved if s]  # a run without args.json is named by its folder
+def differing_flags(saved: list[dict]) -> list[str]:
+    """The flags, in name order, whose values differ between the groups' saved args (runs without args.json aside)."""
+    known = [s for s in saved if s]
     shared = set.intersection(*(set(s) for s in known)) if known else set()
     # the script names itself; a flag only one script has (clip_high) says nothing the script name does not
     keys = sorted(shared - NOT_GROUPED - {"script"})
-    differing = [k for k in keys if len({json.dumps(s.get(k), sort_keys=True, default=str) for s in known}) > 1]
+    return [k for k in keys if len({json.dumps(s.get(k), sort_keys=True, default=str) for s in known}) > 1]
+
+
+def in_flag_order(groups: list[list[Path]]) -> list[list[Path]]:
+    """Settings ordered by script, then by the values of the flags that differ (numbers by value: beta 0 before
+    0.0075, which a folder name sorts after it), ties in the order named."""
+    saved = [load_args(group[0]) for group in groups]
+    differing = differing_flags(saved)
+
+    def value(v) -> tuple:
+        return (0, float(v), "") if is_number(v) else (1, 0.0, json.dumps(v, sort_keys=True, default=str))
+
+    keys = [(str(s.get("script", "")), *(value(s.get(k)) for k in differing)) for s in saved]
+    return [group for _, _, group in sorted(zip(keys, range(len(groups)), groups), key=lambda t: t[:2])]
+
+
+def labels(groups: list[list[Path]]) -> list[str]:
+    """Each group (of seeds) named by its script and the flags that differ between groups, task settings as a rung."""
+    saved = [load_args(group[0]) for group in groups]
+    differing = differing_flags(saved)
     names = []
     for group, s in zip(groups, saved):
         flags = [rung_name(s)] if s and set(differing) & set(TASK_FLAGS) else []
@@ -258,7 +276,7 @@ def figure(args: Args):
     from matplotlib.figure import Figure
 
     runs = find_runs(args.runs)
-    groups = group_by_seed(runs)
+    groups = in_flag_order(group_by_seed(runs))
     data = [[measured(read_rows(run), load_args(run)) for run in group] for group in groups]
     present = {k for group in data for rows in group for row in rows for k in row}
     metrics = [m for m in args.metrics if m in present]

@@ -117,7 +117,7 @@ def test_every_run_is_in_the_legend_even_without_an_eval_accuracy_panel(tmp_path
     write_run(tmp_path, "evals", GRPO, [{"step": 0, "charts/eval_accuracy": 0.1, "charts/reward": 0.2}])
     write_run(tmp_path, "no_evals", {**GRPO, "learning_rate": 1e-5}, [{"step": 0, "charts/reward": 0.3}])
     fig = plot.figure(script_args(plot, runs=[str(tmp_path)]))
-    assert legend(fig) == ["grpo learning_rate=3e-05", "grpo learning_rate=1e-05"]
+    assert legend(fig) == ["grpo learning_rate=1e-05", "grpo learning_rate=3e-05"]  # by value
 
 
 def test_seeds_of_one_setting_are_one_mean_line_with_a_min_max_band(tmp_path):
@@ -128,9 +128,9 @@ def test_seeds_of_one_setting_are_one_mean_line_with_a_min_max_band(tmp_path):
     (tmp_path / "grpo__3" / "metrics.jsonl").write_text("".join(  # the third seed is still at step 2
         json.dumps({"step": s, "charts/reward": 0.6 * s}) + "\n" for s in range(3)))
     fig = plot.figure(script_args(plot, runs=[str(tmp_path)], metrics=["charts/reward"]))
-    assert legend(fig) == ["grpo learning_rate=3e-05 (3 seeds: mean, band min-max)", "grpo learning_rate=1e-05"]
+    assert legend(fig) == ["grpo learning_rate=1e-05", "grpo learning_rate=3e-05 (3 seeds: mean, band min-max)"]
     panel = fig.axes[0]
-    mean = panel.lines[0]
+    mean = panel.lines[1]
     assert list(mean.get_xdata()) == [0, 1, 2] and list(mean.get_ydata()) == pytest.approx([0, 0.3, 0.6])
     band = panel.collections[0].get_paths()[0].vertices[:, 1]
     assert min(band) == pytest.approx(0) and max(band) == pytest.approx(1.2) and len(panel.collections) == 1
@@ -157,6 +157,15 @@ def test_a_run_named_twice_is_one_run_and_one_seed_run_twice_is_two_lines_not_a_
     groups = plot.group_by_seed(plot.find_runs([str(tmp_path)]))
     assert [[run.name for run in group] for group in groups] == [["a", "c"], ["b"]]
     assert plot.labels(groups) == ["grpo (a) (2 seeds: mean, band min-max)", "grpo (b)"]
+
+
+def test_settings_are_ordered_by_the_values_of_the_flags_that_differ_not_by_folder_name(tmp_path):
+    """Folders sort beta-0.0__ after beta-0.04__ ("_" after digits); the legend follows beta's value, scripts first."""
+    for name, beta in (("beta-0.0075", 0.0075), ("beta-0.01", 0.01), ("beta-0.04", 0.04), ("beta-0.0", 0.0)):
+        write_run(tmp_path, f"{name}__1__1", {**GRPO, "beta": beta}, [{"step": 0, "charts/reward": beta}])
+    write_run(tmp_path, "a-dapo__1__1", {**GRPO, "script": "dapo", "beta": 0.5}, [{"step": 0, "charts/reward": 1}])
+    fig = plot.figure(script_args(plot, runs=[str(tmp_path)], metrics=["charts/reward"]))
+    assert legend(fig) == ["dapo beta=0.5", "grpo beta=0.0", "grpo beta=0.0075", "grpo beta=0.01", "grpo beta=0.04"]
 
 
 def test_accuracy_panels_show_the_baselines(tmp_path):

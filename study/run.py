@@ -572,7 +572,9 @@ FINDINGS = {
         Finding("Fig. 6(c), section 3.7: as beta decreased, GRPO generated shorter responses", "beta-0.04",
                 "beta-0.0075", "charts/response_length"),
         Finding("Fig. 6(d): smaller KL coefficients correspond to larger policy gradient magnitudes", "beta-0.0075",
-                "beta-0.04", "losses/grad_norm")),
+                "beta-0.04", "losses/grad_norm"),
+        Finding("Fig. 6(d): smaller KL coefficients correspond to larger policy gradient magnitudes (beta 0 here)",
+                "beta-0.0", "beta-0.04", "losses/grad_norm")),
     "loss-aggregation": (
         Finding("Section 3.4: the token-level loss consistently yields longer responses", "token-level",
                 "sample-level", "charts/response_length"),),

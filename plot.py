@@ -184,7 +184,9 @@ def in_flag_order(groups: list[list[Path]]) -> list[list[Path]]:
     differing = differing_flags(saved)
 
     def value(v) -> tuple:
-        return (0, float(v), "") if is_number(v) else (1, 0.0, json.dumps(v, sort_keys=True, default=str))
+        if is_number(v) and math.isfinite(float(v)):
+            return 0, float(v), ""
+        return 1, 0.0, json.dumps(v, sort_keys=True, default=str)  # a NaN sorts as a name: a total order
 
     keys = [(str(s.get("script", "")), *(value(s.get(k)) for k in differing)) for s in saved]
     return [group for _, _, group in sorted(zip(keys, range(len(groups)), groups), key=lambda t: t[:2])]
@@ -257,12 +259,13 @@ def draw_baselines(panel, data: list[list[list[dict]]], styles: list[tuple]) -> 
     drawn = {}
     for key, (dash, _) in BASELINES.items():
         found = [(value, color) for d, (color, _) in zip(data, styles) if (value := baseline(d, key)) is not None]
-        if shared := len({value for value, _ in found}) == 1:
+        # one grey line only when every group logged the same value; a group without it would seem to share it
+        if shared := len(found) == len(data) and len({value for value, _ in found}) == 1:
             found = [(found[0][0], "0.35")]
         for value, color in found:
             panel.axhline(value, color=color, linestyle=dash, linewidth=1, alpha=0.9)
         if found:
-            drawn[key] = drawn.get(key, True) and shared
+            drawn[key] = shared
     return drawn
 
 

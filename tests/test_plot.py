@@ -163,9 +163,14 @@ def test_settings_are_ordered_by_the_values_of_the_flags_that_differ_not_by_fold
     """Folders sort beta-0.0__ after beta-0.04__ ("_" after digits); the legend follows beta's value, scripts first."""
     for name, beta in (("beta-0.0075", 0.0075), ("beta-0.01", 0.01), ("beta-0.04", 0.04), ("beta-0.0", 0.0)):
         write_run(tmp_path, f"{name}__1__1", {**GRPO, "beta": beta}, [{"step": 0, "charts/reward": beta}])
-    write_run(tmp_path, "a-dapo__1__1", {**GRPO, "script": "dapo", "beta": 0.5}, [{"step": 0, "charts/reward": 1}])
+    write_run(tmp_path, "z-dapo__1__1", {**GRPO, "script": "dapo", "beta": 0.5}, [{"step": 0, "charts/reward": 1}])
+    write_run(tmp_path, "y-nan__1__1", {**GRPO, "beta": float("nan")}, [{"step": 0, "charts/reward": 1}])
     fig = plot.figure(script_args(plot, runs=[str(tmp_path)], metrics=["charts/reward"]))
-    assert legend(fig) == ["dapo beta=0.5", "grpo beta=0.0", "grpo beta=0.0075", "grpo beta=0.01", "grpo beta=0.04"]
+    assert legend(fig) == ["dapo beta=0.5", "grpo beta=0.0", "grpo beta=0.0075", "grpo beta=0.01", "grpo beta=0.04",
+                           "grpo beta=nan"]
+    fig = plot.figure(script_args(plot, runs=[str(tmp_path / "y-nan__1__1"), str(tmp_path / "beta-0.04__1__1"),
+                                              str(tmp_path / "beta-0.0__1__1")], metrics=["charts/reward"]))
+    assert legend(fig) == ["grpo beta=0.0", "grpo beta=0.04", "grpo beta=nan"]  # the same order, named in any order
 
 
 def test_accuracy_panels_show_the_baselines(tmp_path):
@@ -184,9 +189,14 @@ def test_accuracy_panels_show_the_baselines(tmp_path):
     write_run(tmp_path / "two", "c", other, [{**rows[0], "charts/eval_best_constant": 0.5}])
     fig = plot.figure(script_args(plot, runs=[str(tmp_path / "a"), str(tmp_path / "two" / "c")],
                                   metrics=["charts/eval_accuracy"]))
-    colours = [line.get_color() for line in fig.axes[0].lines if line.get_linestyle() == "--"]
-    assert len(colours) == 2 and colours == [h.get_color() for h in fig.legends[0].legend_handles[:2]]
+    dashed = {tuple(line.get_ydata()): line.get_color() for line in fig.axes[0].lines if line.get_linestyle() == "--"}
+    colour = {name: h.get_color() for name, h in zip(legend(fig), fig.legends[0].legend_handles)}
+    assert dashed == {(0.25, 0.25): colour["grpo 2 numbers ≤ 20, + -"], (0.5, 0.5): colour["grpo 2 numbers ≤ 20, + *"]}
     assert legend(fig)[2:] == ["best constant answer (in each line's colour)", "uniform guess"]
+    write_run(tmp_path / "old", "d", other, [{"step": 0, "charts/eval_accuracy": 0.2}])  # logged no baselines
+    fig = plot.figure(script_args(plot, runs=[str(tmp_path / "a"), str(tmp_path / "old" / "d")],
+                                  metrics=["charts/eval_accuracy"]))
+    assert legend(fig)[2:] == ["best constant answer (in each line's colour)", "uniform guess (in each line's colour)"]
     write_run(tmp_path / "none", "b", GRPO, [{"step": 0, "charts/eval_accuracy": 0.1}])  # none logged: no lines
     fig = plot.figure(script_args(plot, runs=[str(tmp_path / "none")]))
     assert len(fig.axes[0].lines) == 1 and legend(fig) == ["grpo"]

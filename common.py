@@ -186,7 +186,10 @@ def setup_distributed(device: str = "auto") -> Dist:
 
 
 def cleanup_distributed() -> None:
+    """At a run's normal end: every process arrives before any tears its group down (one that does so while another
+    still talks to it can abort at exit; a CPU test run under torchrun did once)."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -1,6 +1,6 @@
 """Plot runs: one figure (PNG, PDF or SVG) with a panel per metric and a line per setting, labelled by the flags
-that differ and ordered by their values; runs that differ only in seed are one mean line with a min-max band (a repeated seed is a line of its
-own).
+that differ and ordered by their values; runs that differ only in seed are one mean line with a min-max band (a
+repeated seed is a line of its own).
 
     python plot.py runs/grpo__1__1764000000 runs/dapo__1__1764000100 --out compare.png
     python plot.py study/results/cpu/group-size --metrics charts/eval_accuracy losses/entropy --smooth 0.6
@@ -49,7 +49,6 @@ BASELINES = {"charts/eval_best_constant": ("--", "best constant answer"),
              "charts/eval_uniform_guess": (":", "uniform guess")}
 FORMATS = (".png", ".pdf", ".svg")
 STYLES = ("-", "-.")  # with 20 colours: 40 distinct lines; "--" and ":" are the baselines'
-
 MAX_LINES = 20  # more lines per panel than colours: warn
 
 
@@ -189,7 +188,7 @@ def in_flag_order(groups: list[list[Path]]) -> list[list[Path]]:
         return 1, 0.0, json.dumps(v, sort_keys=True, default=str)  # a NaN sorts as a name: a total order
 
     keys = [(str(s.get("script", "")), *(value(s.get(k)) for k in differing)) for s in saved]
-    return [group for _, _, group in sorted(zip(keys, range(len(groups)), groups), key=lambda t: t[:2])]
+    return [groups[i] for i in sorted(range(len(groups)), key=keys.__getitem__)]  # a stable sort: ties as named
 
 
 def labels(groups: list[list[Path]]) -> list[str]:
@@ -299,8 +298,7 @@ def figure(args: Args):
             if (curve := series(group_data, metric))[0]:
                 draw_group(panel, curve, style, args.smooth)
         if metric in ACCURACY_PANELS:
-            for key, shared in draw_baselines(panel, data, styles).items():
-                baselines[key] = baselines.get(key, True) and shared
+            baselines.update(draw_baselines(panel, data, styles))  # the same groups on every panel
         panel.set_title(tex_safe(TITLES.get(metric, metric)))
         panel.set_xlabel("training step")
         panel.set_ylabel(YLABELS.get(metric, ""))

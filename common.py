@@ -68,18 +68,26 @@ class RunStopped(RuntimeError):
     """The run cannot go on (non-finite updates in a row, out of memory); the message says what to change."""
 
 
-def exit_on_config_error(fn):
-    """Run `fn`, turning a ConfigError into a one-line message and exit status 2 (1 for RunStopped)."""
+def run_command(fn):
+    """A command's whole life: `fn`, a ConfigError turned into a one-line message and exit status 2 (1 for
+    RunStopped). A torchrun worker that finished leaves through os._exit, without interpreter shutdown: once DDP
+    or FSDP2 has wrapped a model, torch keeps the gloo process group and its worker threads alive past
+    destroy_process_group, and a worker thread that wants the GIL while the interpreter shuts down (to free its
+    last collective) aborts the process ('terminate called without an active exception'): a finished run would
+    fail at random. A stopped one shuts down as usual, so that files left open are flushed."""
     try:
-        return fn()
+        result = fn()
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     except RunStopped as err:
         print(f"stopped: {err}", file=sys.stderr)
         raise SystemExit(1) from None
-
-
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a torchrun worker: its files are closed by now
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return result
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -186,8 +194,7 @@ def setup_distributed(device: str = "auto") -> Dist:
 
 
 def cleanup_distributed() -> None:
-    """At a run's normal end: every process arrives before any tears its group down (one that does so while another
-    still talks to it can abort at exit; a CPU test run under torchrun did once)."""
+    """At a run's normal end: every process arrives before any tears its group down and leaves (run_command)."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -293,4 +293,4 @@ def main(args: Args, typed: set[str]) -> dict:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    common.exit_on_config_error(lambda: main(tyro.cli(Args), bookkeeping.typed_flags(sys.argv[1:])))
+    common.run_command(lambda: main(tyro.cli(Args), bookkeeping.typed_flags(sys.argv[1:])))

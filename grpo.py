@@ -400,4 +400,4 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
 
 
 if __name__ == "__main__":
-    common.exit_on_config_error(lambda: train(tyro.cli(Args), typed_flags=bookkeeping.typed_flags(sys.argv[1:])))
+    common.run_command(lambda: train(tyro.cli(Args), typed_flags=bookkeeping.typed_flags(sys.argv[1:])))

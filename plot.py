@@ -371,4 +371,4 @@ def plot(args: Args) -> str:
 
 
 if __name__ == "__main__":
-    common.exit_on_config_error(lambda: plot(tyro.cli(Args, args=sys.argv[1:])))
+    common.run_command(lambda: plot(tyro.cli(Args, args=sys.argv[1:])))

@@ -747,4 +747,4 @@ def main(args: Args) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(common.exit_on_config_error(lambda: main(tyro.cli(Args))))
+    raise SystemExit(common.run_command(lambda: main(tyro.cli(Args))))

@@ -295,4 +295,4 @@ def publish(model, tokenizer, out: Path, record: dict) -> None:
 
 
 if __name__ == "__main__":
-    common.exit_on_config_error(lambda: main(tyro.cli(Args)))
+    common.run_command(lambda: main(tyro.cli(Args)))

@@ -127,6 +127,16 @@ def test_torchrun_two_cpu_processes(script, parallel, tiny_model_dir, tmp_path):
         assert [r["step"] for r in metrics(tmp_path)[1]] == [0, 1, 2, 3]
 
 
+def test_a_finished_torchrun_worker_ends_cleanly_while_a_gloo_thread_still_runs_python():
+    # such a thread aborts or crashes its process once the interpreter shuts down; common.run_command leaves a
+    # finished worker before that. The same worker returning as a plain script must crash here, else the test
+    # shows nothing (and, with a torch or Python that no longer crashes, run_command's os._exit is not needed)
+    plain = run(["tests/teardown_worker.py", "return"], timeout=120, torchrun=True, threads="1")
+    assert plain.returncode != 0, "a plain return no longer crashes: the hazard run_command avoids is gone"
+    ended = run(["tests/teardown_worker.py", "run_command"], timeout=120, torchrun=True, threads="1")
+    assert ended.returncode == 0, ended.stderr[-3000:]
+
+
 @pytest.mark.parametrize("dynamic_sampling", ["--dynamic-sampling"])  # without it: the tiny-model tests, the study
 def test_dapo_runs_with_the_bundled_model(dynamic_sampling, tmp_path):
     result = run(["dapo.py", *tiny_flags(model="bundled", num_steps=2, max_new_tokens=12, learning_rate=1e-5,

@@ -90,4 +90,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    common.run_command(main)

@@ -32,4 +32,4 @@ def main(argv=None) -> str:
 
 
 if __name__ == "__main__":
-    common.exit_on_config_error(main)
+    common.run_command(main)

@@ -1,0 +1,37 @@
+"""A torchrun worker whose gloo worker thread still runs Python when its command has returned, as one may
+after a run's last collective: common.run_command must end the process cleanly all the same.
+
+usage: torchrun --nproc_per_node=2 tests/teardown_worker.py run_command|return
+(`return`: the command returns as a plain script would, for the test to show that the worker then aborts)
+"""
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch.distributed as dist  # noqa: E402
+
+import common  # noqa: E402
+
+
+class SlowToFree:
+    """Interpreter shutdown frees the module's globals: this one keeps it shutting down for 3 s."""
+
+    def __del__(self, sleep=time.sleep):  # the module's `time` is gone by then
+        sleep(3)
+
+
+def main():
+    common.setup_distributed("cpu")
+    done = dist.barrier(async_op=True).get_future()
+    done.then(lambda _: time.sleep(1))  # a gloo worker thread runs this, and wants the GIL back after 1 s
+    done.wait()  # returns once the barrier is done, before the callback has run
+
+
+slow = SlowToFree()
+if sys.argv[1] == "run_command":
+    common.run_command(main)
+else:
+    main()

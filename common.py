@@ -70,11 +70,12 @@ class RunStopped(RuntimeError):
 
 def run_command(fn):
     """A command's whole life: `fn`, a ConfigError turned into a one-line message and exit status 2 (1 for
-    RunStopped). A torchrun worker that finished leaves through os._exit, without interpreter shutdown: once DDP
-    or FSDP2 has wrapped a model, torch keeps the gloo process group and its worker threads alive past
-    destroy_process_group, and a worker thread that wants the GIL while the interpreter shuts down (to free its
-    last collective) aborts the process ('terminate called without an active exception'): a finished run would
-    fail at random. A stopped one shuts down as usual, so that files left open are flushed."""
+    RunStopped). A process that set up a process group (setup_distributed) and finished leaves through os._exit,
+    without interpreter shutdown: once DDP or FSDP2 has wrapped a model, torch keeps the process group and its
+    worker threads alive past destroy_process_group, and a gloo worker thread that wants the GIL while the
+    interpreter shuts down (to free its last collective) aborts the process ('terminate called without an active
+    exception'): a finished run would fail at random (nccl's processes leave the same way). A stopped one shuts
+    down as usual, so that files left open are flushed (the abort can still turn its status 1 into a signal)."""
     try:
         result = fn()
     except ConfigError as err:
@@ -83,10 +84,10 @@ def run_command(fn):
     except RunStopped as err:
         print(f"stopped: {err}", file=sys.stderr)
         raise SystemExit(1) from None
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a torchrun worker: its files are closed by now
+    if _process_group_started:  # a torchrun worker: every file it wrote is closed by now
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(result if isinstance(result, int) else 0)
     return result
 
 
@@ -175,8 +176,12 @@ class Dist:
         return self.world_size > 1
 
 
+_process_group_started = False  # set by setup_distributed: run_command then ends the process with os._exit
+
+
 def setup_distributed(device: str = "auto") -> Dist:
     """nccl on GPUs, gloo on CPUs; without torchrun's variables, a single process."""
+    global _process_group_started
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if use_cuda and not torch.cuda.is_available():
         raise ConfigError("--device=cuda is not allowed: no CUDA device is visible (use --device cpu)")
@@ -190,11 +195,13 @@ def setup_distributed(device: str = "auto") -> Dist:
         dev = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo")
+        _process_group_started = True
     return Dist(rank=rank, local_rank=local_rank, world_size=world_size, device=dev)
 
 
 def cleanup_distributed() -> None:
-    """At a run's normal end: every process arrives before any tears its group down and leaves (run_command)."""
+    """At a run's normal end: every process arrives before any tears its group down, so that none leaves
+    (run_command's os._exit) while another still talks to it."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

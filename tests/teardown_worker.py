@@ -1,5 +1,6 @@
-"""A torchrun worker whose gloo worker thread still runs Python when its command has returned, as one may
-after a run's last collective: common.run_command must end the process cleanly all the same.
+"""A torchrun worker whose gloo worker thread still runs Python when its command has returned: a stand-in, made
+certain, for a worker thread that frees a run's last collective late (the scripts' own end, a barrier and
+destroy_process_group, would wait for this callback). common.run_command must end the process cleanly.
 
 usage: torchrun --nproc_per_node=2 tests/teardown_worker.py run_command|return
 (`return`: the command returns as a plain script would, for the test to show that the worker then aborts)
@@ -24,7 +25,9 @@ class SlowToFree:
 
 
 def main():
-    common.setup_distributed("cpu")
+    world = common.setup_distributed("cpu")
+    if world.rank == 1:
+        time.sleep(0.5)  # so rank 0's barrier cannot finish before its callback is attached (it would run inline)
     done = dist.barrier(async_op=True).get_future()
     done.then(lambda _: time.sleep(1))  # a gloo worker thread runs this, and wants the GIL back after 1 s
     done.wait()  # returns once the barrier is done, before the callback has run

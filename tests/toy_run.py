@@ -19,4 +19,4 @@ if __name__ == "__main__":
     algo = importlib.import_module(sys.argv[1])
     args = tyro.cli(algo.Args, args=sys.argv[2:])
     common.run_command(lambda: algo.train(args, reward_fn=even_token_reward,
-                                                   typed_flags=bookkeeping.typed_flags(sys.argv[2:])))
+                                          typed_flags=bookkeeping.typed_flags(sys.argv[2:])))

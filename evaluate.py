@@ -243,7 +243,7 @@ def main(args: Args, typed: set[str]) -> dict:
     tokenizer = common.load_tokenizer(model_path)
     dtype = common.compute_dtype(args.compute_dtype, world.device)
     model = common.load_model(model_path, world.device, trainable=False, dtype=dtype)
-    backend = common.make_backend(args.backend, model, tokenizer, args, args, args.seed, model_path, world)
+    backend = common.make_backend(args.backend, model, tokenizer, args, args, args.seed, model_path, world, tasks)
 
     if world.is_main:  # the cost up front: a 1,024-task, 8-sample evaluation runs for hours on a laptop CPU
         print(f"evaluating {len(tasks)} tasks x {1 + args.samples} completions of up to {args.max_new_tokens} "

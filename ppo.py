@@ -383,7 +383,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
                                          weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     backend = common.make_backend(args.system.backend, policy, tokenizer, args.system, args.task, args.seed,
-                                  str(checkpoint or model_path), world)
+                                  str(checkpoint or model_path), world, train_tasks + test_tasks)
     run_dir = run.create()  # a new run's folder, made once every input has loaded
     logger = bookkeeping.RunLogger(run_dir, args, world, SCRIPT, args.log.track, args.log.wandb_project,
                                    state and state["step"], model_path)

@@ -95,6 +95,22 @@ def test_prompt_uses_chat_template_and_prefill(tokenizer):
     assert base.startswith("A conversation between User and Assistant") and base.endswith("<think>")
 
 
+@pytest.mark.parametrize("template", ["auto", "base"])
+def test_longest_prompt_is_the_longest_of_every_task(tokenizer, template):
+    # vLLM's max_model_len is sized by it: a data file may hold more or longer numbers than the generated rungs.
+    # Many tasks of mixed size, the longest not last and its numbers not the largest values
+    rng = random.Random(0)
+    tasks = [{"nums": [rng.randint(1, 10 ** rng.randint(1, 6)) for _ in range(rng.randint(2, 9))],
+              "target": rng.randint(1, 10 ** rng.randint(1, 7))} for _ in range(400)]
+    count = lambda t: len(tokenizer(common.make_prompt(tokenizer, t, template), add_special_tokens=False).input_ids)
+    every = max(count(t) for t in tasks)
+    floor = count({"nums": [99999] * 6, "target": 99999})
+    assert every > floor  # the case that matters: these tasks outgrow the old fixed bound
+    assert common.longest_prompt_tokens(tokenizer, tasks, template) == every
+    small = [{"nums": [3, 5], "target": 8}]
+    assert common.longest_prompt_tokens(tokenizer, small, template) == floor  # never below the old bound
+
+
 def test_completion_mask_stops_after_first_stop_token():
     ids = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [2, 2, 2, 2]])
     mask, reasons = common.completion_mask_from_ids(ids, [2])

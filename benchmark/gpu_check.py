@@ -38,7 +38,7 @@ QWEN25_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, 
                    num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6,
                    rms_norm_eps=1e-6, tie_word_embeddings=True)
 # per script: its own flags at the paper's values (README "The paper's setup"), fewer prompts per step; grpo/dapo
-# keep the scripts' default of 2 minibatches per step (the paper's line in study/run.py uses 4)
+# take --num-minibatches (default: the scripts' 2; the paper's line in study/run.py uses 4)
 FLAGS = {
     "ppo": dict(prompts_per_step=64, group_size=1, beta=0.001, critic_learning_rate=1e-5, num_minibatches=2),
     "grpo": dict(prompts_per_step=8, group_size=8, beta=0.01),
@@ -84,7 +84,7 @@ def changed_fraction(before: dict, after: dict) -> float:
 
 
 def check_script(name: str, model_dir: str, runs_dir: str, steps: int, max_new_tokens: int, device: str,
-                 micro_batch_size: int, max_tokens: int, peak_tflops: float) -> dict:
+                 micro_batch_size: int, max_tokens: int, peak_tflops: float, num_minibatches: int = 2) -> dict:
     import importlib
     import shutil
 
@@ -94,7 +94,8 @@ def check_script(name: str, model_dir: str, runs_dir: str, steps: int, max_new_t
     args = bookkeeping.build_args(
         algo.Args, model=model_dir, runs_dir=runs_dir, num_steps=steps, learning_rate=1e-6,
         max_new_tokens=max_new_tokens, micro_batch_size=micro_batch_size, eval_every=0, eval_size=0, save_every=0,
-        device=device, compute_dtype="bfloat16", max_tokens_per_micro_batch=max_tokens, **FLAGS[name])
+        device=device, compute_dtype="bfloat16", max_tokens_per_micro_batch=max_tokens,
+        **{**({} if name == "ppo" else dict(num_minibatches=num_minibatches)), **FLAGS[name]})
     if name == "dapo":
         args.overlong_buffer = max_new_tokens // 4
     if device == "cuda":
@@ -166,6 +167,8 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=QWEN25_1_5B["num_hidden_layers"])
     parser.add_argument("--micro-batch-size", type=int, default=8, help="ppo.py gets half (it also trains a critic)")
     parser.add_argument("--max-tokens-per-micro-batch", type=int, default=0, help="pack the update by tokens (0: off)")
+    parser.add_argument("--num-minibatches", type=int, default=2,
+                        help="grpo.py's and dapo.py's optimizer steps per step (the 2026-11-30 runs: 4); ppo.py keeps 2")
     a = parser.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device (--device cpu tries the script on a CPU)", file=sys.stderr)
@@ -178,7 +181,8 @@ def main() -> int:
     print(json.dumps({"check": "matmul", "tflops": round(peak, 1)}), flush=True)
     checks = [lambda n=n: check_script(n, model_dir, os.path.join(work, "runs"), a.steps, a.max_new_tokens, a.device,
                                        a.micro_batch_size // (2 if n == "ppo" else 1),
-                                       a.max_tokens_per_micro_batch // (2 if n == "ppo" else 1), peak)
+                                       a.max_tokens_per_micro_batch // (2 if n == "ppo" else 1), peak,
+                                       a.num_minibatches)
               for n in a.scripts] + [lambda: check_sampler_gap(model_dir, a.device)]
     for check in checks:
         result = check()

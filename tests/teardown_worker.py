@@ -18,10 +18,10 @@ import common  # noqa: E402
 
 
 class SlowToFree:
-    """Interpreter shutdown frees the module's globals: this one keeps it shutting down for 3 s."""
+    """Interpreter shutdown frees the module's globals: this one keeps it shutting down for 5 s."""
 
     def __del__(self, sleep=time.sleep):  # the module's `time` is gone by then
-        sleep(3)
+        sleep(5)
 
 
 def main():
@@ -29,7 +29,7 @@ def main():
     if world.rank == 1:
         time.sleep(0.5)  # so rank 0's barrier cannot finish before its callback is attached (it would run inline)
     done = dist.barrier(async_op=True).get_future()
-    done.then(lambda _: time.sleep(1))  # a gloo worker thread runs this, and wants the GIL back after 1 s
+    done.then(lambda _: time.sleep(2))  # a gloo worker thread runs this, and wants the GIL back after 2 s
     done.wait()  # returns once the barrier is done, before the callback has run
 
 

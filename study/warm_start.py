@@ -6,8 +6,8 @@ Qwen2.5-1.5B-Instruct); it exists because SmolLM2-135M-Instruct almost never wri
 on its own (1 of 512 samples of 48 tokens on the CPU rung, none right: study/README.md), so nearly every
 reward is equal and GRPO has nothing to learn from.
 
-Each example is a task of 2-4 numbers from 21..99 (disjoint from every CPU rung, whose numbers are at
-most 20) and the completion ` The target is T. I will try EXPR.</think>\\n<answer> EXPR </answer>`, where
+Each example is a task of 2-4 numbers from 21..99 (disjoint from the CPU rungs, whose numbers are at most
+20, but for the ladder's rung 5, up to 99; the held-out tasks of --task-* are left out) and the completion ` The target is T. I will try EXPR.</think>\\n<answer> EXPR </answer>`, where
 EXPR writes the numbers largest first (a convention, so that a difference is never negative) joined left
 to right by operators drawn uniformly from --operators. EXPR is right only by chance, and which operator
 it uses is independent of which one is right, so the model learns the format, not the answer. (With the
@@ -57,7 +57,7 @@ MARKER = bookkeeping.WARM_START_RECORD
 """the file that says a folder was written by this script (its settings, code version and files); only such a
 folder is replaced, and a run started from the folder copies it into its args.json (`model_source`)"""
 MIN_VALUE = 21
-"""the examples' numbers are drawn from 21..99: no CPU rung (numbers up to 20) shares a task with them"""
+"""the examples' numbers are drawn from 21..99: no CPU rung with numbers up to 20 shares a task with them"""
 
 
 @dataclass

@@ -1060,7 +1060,7 @@ def longest_prompt_tokens(tokenizer, tasks, template: str = "auto") -> int:
     """Tokens in the longest of `tasks`' prompts, and never fewer than in a prompt of 6 five-digit numbers. The
     prompts differ only in the numbers and the target, so only the tasks longest in those as text are rendered."""
     text_length = lambda task: len(str(task["nums"])) + len(str(task["target"]))  # noqa: E731
-    longest = heapq.nlargest(8, [*tasks, {"nums": [99999] * 6, "target": 99999}], key=text_length)
+    longest = heapq.nlargest(8, itertools.chain(tasks, [{"nums": [99999] * 6, "target": 99999}]), key=text_length)
     return max(len(tokenizer(make_prompt(tokenizer, t, template), add_special_tokens=False).input_ids)
                for t in longest)
 

@@ -95,7 +95,7 @@ def check_script(name: str, model_dir: str, runs_dir: str, steps: int, max_new_t
         algo.Args, model=model_dir, runs_dir=runs_dir, num_steps=steps, learning_rate=1e-6,
         max_new_tokens=max_new_tokens, micro_batch_size=micro_batch_size, eval_every=0, eval_size=0, save_every=0,
         device=device, compute_dtype="bfloat16", max_tokens_per_micro_batch=max_tokens,
-        **{**({} if name == "ppo" else dict(num_minibatches=num_minibatches)), **FLAGS[name]})
+        **{"num_minibatches": num_minibatches, **FLAGS[name]})  # ppo.py's own entry keeps its 2
     if name == "dapo":
         args.overlong_buffer = max_new_tokens // 4
     if device == "cuda":
@@ -168,7 +168,8 @@ def main() -> int:
     parser.add_argument("--micro-batch-size", type=int, default=8, help="ppo.py gets half (it also trains a critic)")
     parser.add_argument("--max-tokens-per-micro-batch", type=int, default=0, help="pack the update by tokens (0: off)")
     parser.add_argument("--num-minibatches", type=int, default=2,
-                        help="grpo.py's and dapo.py's optimizer steps per step (the 2026-11-30 runs: 4); ppo.py keeps 2")
+                        help="grpo.py's and dapo.py's optimizer steps per step (the 2026-11-30 runs: 4); "
+                             "ppo.py keeps 2")
     a = parser.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device (--device cpu tries the script on a CPU)", file=sys.stderr)

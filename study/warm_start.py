@@ -6,8 +6,9 @@ Qwen2.5-1.5B-Instruct); it exists because SmolLM2-135M-Instruct almost never wri
 on its own (1 of 512 samples of 48 tokens on the CPU rung, none right: study/README.md), so nearly every
 reward is equal and GRPO has nothing to learn from.
 
-Each example is a task of 2-4 numbers from 21..99 (disjoint from the CPU rungs, whose numbers are at most
-20, but for the ladder's rung 5, up to 99; the held-out tasks of --task-* are left out) and the completion ` The target is T. I will try EXPR.</think>\\n<answer> EXPR </answer>`, where
+Each example is a task of 2-4 numbers from 21..99 (disjoint from every CPU rung whose numbers are at most
+20: all but the ladder's rung 5) and the completion ` The target is T. I will try EXPR.</think>\\n<answer>
+EXPR </answer>`, where
 EXPR writes the numbers largest first (a convention, so that a difference is never negative) joined left
 to right by operators drawn uniformly from --operators. EXPR is right only by chance, and which operator
 it uses is independent of which one is right, so the model learns the format, not the answer. (With the

@@ -31,6 +31,7 @@ def main():
     done = dist.barrier(async_op=True).get_future()
     done.then(lambda _: time.sleep(2))  # a gloo worker thread runs this, and wants the GIL back after 2 s
     done.wait()  # returns once the barrier is done, before the callback has run
+    print(f"rank {world.rank}: command returned", flush=True)  # what follows is the interpreter's shutdown
 
 
 slow = SlowToFree()

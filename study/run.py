@@ -552,7 +552,11 @@ FINDINGS = {
     "entropy": (
         Finding("Fig. 3(c): adding an entropy bonus leads to lower accuracy", "ent-0", "ent-0.001"),
         Finding("Fig. 3(a): the entropy bonus increases the fraction of clipped tokens", "ent-0.001", "ent-0",
-                "losses/clipfrac")),
+                "losses/clipfrac"),
+        Finding("Fig. 3(b): the entropy bonus increases the KL divergence between the new and old policies",
+                "ent-0.001", "ent-0", "losses/approx_kl"),
+        Finding("Section 3.1: the entropy bonus increases the KL divergence to the reference policy", "ent-0.001",
+                "ent-0", "losses/kl_ref")),
     "learning-rate": (
         Finding("Fig. 4 (GSM8k there, Countdown held-out here): a larger learning rate achieves higher accuracy "
                 "(with larger fluctuations)", "lr-10x", "lr-base"),

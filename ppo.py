@@ -421,7 +421,6 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
         rewards, correct, well_formed = reward_fn(rollout, group_tasks)
         rewards = torch.tensor(rewards, dtype=torch.float32, device=world.device)
 
-
         bar.phase("updating")
         with bookkeeping.Timer() as update_time, bookkeeping.out_of_memory_hint("update", args):
             # ---- Old log-probs and values, reference log-probs -----------------------------------

@@ -7,7 +7,7 @@ Each script runs 3 steps on a random 2-layer model with SmolLM2's tokenizer, fro
 that varies deterministically with the text (the crc32 of each completion), so that advantages are non-zero
 without a model that can solve Countdown, and learning rate 1e-3 so that clipping acts after the first optimizer
 step: GRPO with 2 epochs; DAPO with dynamic sampling, overlong shaping, an entropy bonus, a KL term and 2
-minibatches; PPO with a critic warm-up. Flags go through tyro, so any Args
+minibatches; PPO with a critic warm-up and an entropy bonus. Flags go through tyro, so any Args
 layout of either commit reads them. Prints one JSON line per script; exit 1 if any weights differ.
 """
 
@@ -27,7 +27,7 @@ SCRIPTS = {
     "grpo": "--group-size 4 --update-epochs 2".split(),
     "dapo": ("--group-size 4 --dynamic-sampling --max-generation-batches 3 --overlong-buffer 4 --ent-coef 0.01 "
              "--beta 0.01 --num-minibatches 2").split(),
-    "ppo": "--group-size 1 --critic-warmup-steps 1".split(),
+    "ppo": "--group-size 1 --critic-warmup-steps 1 --ent-coef 0.01".split(),
 }
 DRIVER = """
 import sys, zlib, importlib, tyro

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 import bookkeeping  # noqa: E402
 import common  # noqa: E402
 import evaluate  # noqa: E402
-from plot import NOT_LABELS, read_rows, rung_name  # noqa: E402
+from plot import DEFAULT_METRICS, NOT_LABELS, read_rows, rung_name  # noqa: E402
 
 # What every run of a scale shares. Paper: README "The paper's setup".
 PAPER = dict(model="Qwen/Qwen2.5-1.5B-Instruct", dataset="Jiayi-Pan/Countdown-Tasks-3to4", max_new_tokens=1024,
@@ -741,9 +741,12 @@ def main(args: Args) -> int:
         except Timeout:
             raise common.ConfigError(f"--root={args.root!r} is not allowed: another study is writing "
                                      f"{out_dir} (it holds {out_dir / '.study.lock'})") from None
+        # the default panels, and a panel for each quantity a finding of the paper reads (its figure has it)
+        extra = [f.metric for f in FINDINGS.get(experiment, ()) if f.metric not in DEFAULT_METRICS]
+        metrics = ["--metrics", *DEFAULT_METRICS, *dict.fromkeys(extra)] if extra else []
         for suffix in (".png", ".pdf"):  # the README shows the PNG; a paper prints the PDF
             plot = [sys.executable, str(ROOT / "plot.py"), str(out_dir), "--out", str(out_dir) + suffix,
-                    "--title", EXPERIMENTS[experiment][0].split(":")[0] + f" ({args.scale} scale)"]
+                    "--title", EXPERIMENTS[experiment][0].split(":")[0] + f" ({args.scale} scale)", *metrics]
             print("$ " + shown(plot), flush=True)
             if not args.dry_run and subprocess.run(plot).returncode != 0:
                 return 1

@@ -573,3 +573,29 @@ def test_each_rungs_baselines_are_scored_on_the_tasks_its_runs_evaluate_and_comm
 def test_baselines_are_refused_at_the_papers_scale():
     with pytest.raises(common.ConfigError, match="--scale='paper' is not allowed"):
         study.main(script_args(study, experiment="kl", scale="paper", baselines=True))
+
+
+def paired_run(folder: Path, seed: int, rewards: list[float], entropies: list[float], completions: list[str]):
+    folder.mkdir(parents=True)
+    (folder / "args.json").write_text(json.dumps({"seed": seed}))
+    rows = [{"step": 0, "charts/eval_accuracy": 0.5}]
+    rows += [{"step": s, "charts/reward": r, "losses/entropy": e, "losses/clipfrac": 0.001}
+             for s, (r, e) in enumerate(zip(rewards, entropies), 1)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"step": 3, "charts/')
+    (folder / "samples.jsonl").write_text("".join(json.dumps({"step": 1, "completion": c}) + "\n"
+                                                  for c in completions))
+    return folder
+
+
+def test_a_pair_of_one_seed_is_compared_step_by_step_and_runs_of_two_seeds_are_refused(tmp_path):
+    """The entropy section's paired comparison: same reward, completions alike, and each quantity's relative change
+    (exactly equal ones read 0, not +0.00%); a torn last line is skipped, and two seeds are no pair."""
+    paired = load("paired")
+    first = paired_run(tmp_path / "a", 1, [0.5, 0.25], [0.101, 0.2], ["x", "y", "z"])
+    second = paired_run(tmp_path / "b", 1, [0.5, 0.3], [0.100, 0.2], ["x", "y", "w"])
+    table = paired.paired_table(first, second, ["losses/entropy", "losses/clipfrac"], steps=5).splitlines()
+    assert table[2:] == ["| 1 | yes | 2 of 3 | +1.00% | 0 |", "| 2 | no | - | 0 | 0 |"]
+    other = paired_run(tmp_path / "c", 2, [0.5], [0.1], ["x"])
+    with pytest.raises(common.ConfigError, match=r"runs=.*c'.*seed 2 is not .*a'.*s 1"):
+        paired.paired_table(first, other, ["losses/entropy"], steps=5)
+

@@ -1,0 +1,100 @@
+"""Two runs of one seed, compared step by step while they still sample the same completions.
+
+    python study/paired.py study/results/cpu/entropy/ent-0.001__1__1796516608 \
+        study/results/cpu/entropy/ent-0__1__1796135602
+
+A run's generation seed at each step is a function of its seed, step and rank (`common.generation_seed`), so two
+runs of one seed that differ in one flag draw the same completions until their policies have moved apart far enough
+to change a sampled token. Over those steps the flag's own effect on a training quantity (entropy, clipping, KL) is
+measured without the noise between seeds, which at 60 steps is larger than most effects the paper reports.
+
+Prints a markdown table: per training step, whether the two runs logged the same reward, how many of the logged
+completions (`samples.jsonl`, every `--log-samples-every` steps) are identical, and for each metric the first run's
+value minus the second's, relative to the second's ("0": exactly equal).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tyro
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+from plot import load_args, read_rows  # noqa: E402
+
+
+@dataclass
+class Args:
+    runs: tyro.conf.Positional[tuple[str, str]]
+    """the two run folders (each with metrics.jsonl, args.json and samples.jsonl), of one seed"""
+    metrics: list[str] = field(default_factory=lambda: ["losses/entropy", "losses/clipfrac", "losses/approx_kl",
+                                                        "losses/kl_ref"])
+    """training quantities to compare, metrics.jsonl keys"""
+    steps: int = 20
+    """compare training steps 1..steps"""
+
+
+def logged_completions(run: Path) -> dict[int, list[str]]:
+    """step -> the completions samples.jsonl logged at it, in order; torn or foreign lines are skipped."""
+    by_step: dict[int, list[str]] = {}
+    try:
+        lines = (run / "samples.jsonl").read_text(errors="replace").splitlines()
+    except OSError:
+        return by_step
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and isinstance(row.get("completion"), str):
+            by_step.setdefault(row["step"], []).append(row["completion"])
+    return by_step
+
+
+def relative(a: float | None, b: float | None) -> str:
+    if a is None or b is None:
+        return "-"
+    if a == b:
+        return "0"  # exactly: the flag did not reach this quantity at this step
+    if b == 0:
+        return f"{a:+.3g} (from 0)"
+    return f"{100 * (a - b) / abs(b):+.2f}%"
+
+
+def paired_table(first: Path, second: Path, metrics: list[str], steps: int) -> str:
+    seeds = [load_args(run).get("seed") for run in (first, second)]
+    if seeds[0] is None or seeds[0] != seeds[1]:
+        raise common.ConfigError(f"runs={str(second)!r} is not allowed: its args.json seed {seeds[1]!r} is not "
+                                 f"{str(first)!r}'s {seeds[0]!r}; a pair is two runs of one seed")
+    rows = [{int(r["step"]): r for r in read_rows(run) if "charts/reward" in r} for run in (first, second)]
+    samples = [logged_completions(run) for run in (first, second)]
+    lines = ["| step | same reward | logged completions alike | " + " | ".join(f"`{m}`" for m in metrics) + " |",
+             "|---|---|---|" + "---|" * len(metrics)]
+    for step in range(1, steps + 1):
+        if step not in rows[0] or step not in rows[1]:
+            continue
+        a, b = rows[0][step], rows[1][step]
+        same_reward = "yes" if abs(a["charts/reward"] - b["charts/reward"]) <= 1e-6 else "no"
+        alike = "-"
+        if step in samples[0] and step in samples[1]:
+            pairs = list(zip(samples[0][step], samples[1][step]))
+            alike = f"{sum(x == y for x, y in pairs)} of {len(pairs)}"
+        cells = [relative(a.get(m), b.get(m)) for m in metrics]
+        lines.append(f"| {step} | {same_reward} | {alike} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(args: Args) -> int:
+    first, second = (Path(run) for run in args.runs)
+    common.require(args.steps >= 1, "steps", args.steps, ">= 1")
+    print(paired_table(first, second, args.metrics, args.steps))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(common.run_command(lambda: main(tyro.cli(Args))))

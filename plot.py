@@ -39,15 +39,15 @@ TITLES = {"charts/eval_accuracy": "Held-out greedy accuracy", "charts/accuracy":
           "losses/clipfrac": "Clip fraction", "charts/eval_format_rate": "Held-out format rate",
           "charts/format_rate": "Training format rate",
           "charts/eval_response_length": "Held-out response length (tokens)",
-          "losses/approx_kl": "KL between new and old policies", "losses/grad_norm": "Gradient norm",
+          "losses/approx_kl": "KL between new and old policies", "losses/grad_norm": "Policy gradient norm",
           "losses/surrogate": "Surrogate objective"}
 YLABELS = {"charts/eval_accuracy": "share of held-out tasks solved", "charts/accuracy": "share of completions correct",
            "charts/reward": "mean reward", "charts/response_length": "tokens per completion",
            "charts/eval_response_length": "tokens per completion", "losses/entropy": "nats per token",
            "losses/kl_ref": "nats per token (k3 estimate)", "losses/clipfrac": "share of tokens clipped",
            "charts/eval_format_rate": "share well-formed", "charts/format_rate": "share well-formed",
-           "losses/approx_kl": "nats per token (k3 estimate)", "losses/grad_norm": "L2 norm before clipping, mean",
-           "losses/surrogate": "clipped objective, mean"}
+           "losses/approx_kl": "nats per token (k3 estimate)", "losses/grad_norm": "L2 norm before clipping, mean over minibatches",
+           "losses/surrogate": "min(r A, clip(r) A), mean (no KL, no entropy)"}
 ACCURACY_PANELS = {"charts/eval_accuracy"}
 BASELINES = {"charts/eval_best_constant": ("--", "best constant answer"),
              "charts/eval_uniform_guess": (":", "uniform guess")}

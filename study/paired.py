@@ -10,12 +10,13 @@ measured without the noise between seeds, which at 60 steps is larger than most 
 
 Prints a markdown table: per training step, whether the two runs logged the same reward, how many of the logged
 completions (`samples.jsonl`, every `--log-samples-every` steps) are identical, and for each metric the first run's
-value minus the second's, relative to the second's ("0": exactly equal).
+value minus the second's, relative to the second's magnitude ("0": exactly equal).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,9 +40,10 @@ class Args:
     """compare training steps 1..steps"""
 
 
-def logged_completions(run: Path) -> dict[int, list[str]]:
-    """step -> the completions samples.jsonl logged at it, in order; torn or foreign lines are skipped."""
-    by_step: dict[int, list[str]] = {}
+def logged_completions(run: Path) -> dict[int, list[tuple]]:
+    """step -> the (prompt, completion) pairs samples.jsonl logged at it, in order; torn or foreign lines are
+    skipped."""
+    by_step: dict[int, list[tuple]] = {}
     try:
         lines = (run / "samples.jsonl").read_text(errors="replace").splitlines()
     except OSError:
@@ -52,13 +54,16 @@ def logged_completions(run: Path) -> dict[int, list[str]]:
         except (ValueError, RecursionError):
             continue
         if isinstance(row, dict) and isinstance(row.get("step"), int) and isinstance(row.get("completion"), str):
-            by_step.setdefault(row["step"], []).append(row["completion"])
+            by_step.setdefault(row["step"], []).append((row.get("prompt"), row["completion"]))
     return by_step
 
 
 def relative(a: float | None, b: float | None) -> str:
+    """a - b relative to |b|, so that the sign is a's direction for negative quantities (the surrogate) too."""
     if a is None or b is None:
         return "-"
+    if math.isnan(a) or math.isnan(b):
+        return "nan"  # a skipped update's gradient norm: not a change
     if a == b:
         return "0"  # exactly: the flag did not reach this quantity at this step
     if b == 0:
@@ -67,23 +72,36 @@ def relative(a: float | None, b: float | None) -> str:
 
 
 def paired_table(first: Path, second: Path, metrics: list[str], steps: int) -> str:
+    rows = [{int(r["step"]): r for r in read_rows(run) if "charts/reward" in r and r["step"] == int(r["step"])}
+            for run in (first, second)]
     seeds = [load_args(run).get("seed") for run in (first, second)]
-    if seeds[0] is None or seeds[0] != seeds[1]:
-        raise common.ConfigError(f"runs={str(second)!r} is not allowed: its args.json seed {seeds[1]!r} is not "
-                                 f"{str(first)!r}'s {seeds[0]!r}; a pair is two runs of one seed")
-    rows = [{int(r["step"]): r for r in read_rows(run) if "charts/reward" in r} for run in (first, second)]
+    for run, seed in zip((first, second), seeds):
+        if seed is None:
+            raise common.ConfigError(f"runs={str(run)!r} is not allowed: its args.json records no seed (a run "
+                                     f"folder of grpo.py, dapo.py or ppo.py is allowed)")
+    if seeds[0] != seeds[1]:
+        raise common.ConfigError(f"runs={[str(first), str(second)]!r} is not allowed: their args.json seeds are "
+                                 f"{seeds[0]!r} and {seeds[1]!r}; a pair is two runs of one seed")
+    unknown = [m for m in metrics if not any(m in row for by_step in rows for row in by_step.values())]
+    common.require(not unknown, "metrics", unknown, "metrics.jsonl keys that one of the runs logged")
     samples = [logged_completions(run) for run in (first, second)]
     lines = ["| step | same reward | logged completions alike | " + " | ".join(f"`{m}`" for m in metrics) + " |",
              "|---|---|---|" + "---|" * len(metrics)]
     for step in range(1, steps + 1):
-        if step not in rows[0] or step not in rows[1]:
+        if step not in rows[0] and step not in rows[1]:
+            continue
+        if step not in rows[0] or step not in rows[1]:  # one run stopped earlier or lost the row
+            only = "first" if step in rows[0] else "second"
+            lines.append(f"| {step} | only the {only} run | - | " + " | ".join("-" for _ in metrics) + " |")
             continue
         a, b = rows[0][step], rows[1][step]
         same_reward = "yes" if abs(a["charts/reward"] - b["charts/reward"]) <= 1e-6 else "no"
         alike = "-"
         if step in samples[0] and step in samples[1]:
-            pairs = list(zip(samples[0][step], samples[1][step]))
-            alike = f"{sum(x == y for x, y in pairs)} of {len(pairs)}"
+            ours, theirs = samples[0][step], samples[1][step]
+            alike = f"{sum(x == y for x, y in zip(ours, theirs))} of {len(ours)}"
+            if len(theirs) != len(ours):
+                alike += f" ({len(theirs)} in the second)"
         cells = [relative(a.get(m), b.get(m)) for m in metrics]
         lines.append(f"| {step} | {same_reward} | {alike} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

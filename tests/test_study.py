@@ -227,7 +227,7 @@ def test_each_experiment_plots_a_png_for_the_readme_and_a_pdf_for_print(tmp_path
         assert tyro.cli(plot.Args, args=shlex.split(cmd)[2:]).out == out
 
 
-@pytest.mark.parametrize("experiment", ["kl", "entropy", "algorithms"])
+@pytest.mark.parametrize("experiment", sorted(study.FINDINGS))
 def test_each_figure_has_the_default_panels_and_one_for_each_quantity_a_finding_reads(experiment, tmp_path, capsys):
     """Fig. 6(d) is the gradient norm, Fig. 3(b) the KL between the new and the old policy: neither is a default
     panel, and a verdict on a curve the figure does not draw cannot be checked by eye."""
@@ -496,8 +496,7 @@ def test_a_finding_holds_only_when_every_seed_of_one_side_beats_every_seed_of_th
 
 
 def test_an_unfinished_run_is_not_a_seed_of_the_verdict(tmp_path):
-    finding = study.FINDINGS["group-size"][2]  # a training metric (KL), not the accuracy
-    assert finding.metric == "losses/kl_ref"
+    finding = next(f for f in study.FINDINGS["group-size"] if f.metric == "losses/kl_ref")  # a training metric
     fake_run(tmp_path, finding.higher, 1, 0.8, finding.metric)
     fake_run(tmp_path, finding.higher, 2, 0.7, finding.metric)
     fake_run(tmp_path, finding.higher, 3, 0.1, finding.metric, last_step=9)  # stopped one step short
@@ -575,27 +574,35 @@ def test_baselines_are_refused_at_the_papers_scale():
         study.main(script_args(study, experiment="kl", scale="paper", baselines=True))
 
 
-def paired_run(folder: Path, seed: int, rewards: list[float], entropies: list[float], completions: list[str]):
+def paired_run(folder: Path, seed, rewards: list[float], surrogates: list[float], completions: list[str]):
     folder.mkdir(parents=True)
-    (folder / "args.json").write_text(json.dumps({"seed": seed}))
+    (folder / "args.json").write_text(json.dumps({} if seed is None else {"seed": seed}))
     rows = [{"step": 0, "charts/eval_accuracy": 0.5}]
-    rows += [{"step": s, "charts/reward": r, "losses/entropy": e, "losses/clipfrac": 0.001}
-             for s, (r, e) in enumerate(zip(rewards, entropies), 1)]
+    rows += [{"step": s, "charts/reward": r, "losses/surrogate": v, "losses/clipfrac": 0.001}
+             for s, (r, v) in enumerate(zip(rewards, surrogates), 1)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"step": 3, "charts/')
-    (folder / "samples.jsonl").write_text("".join(json.dumps({"step": 1, "completion": c}) + "\n"
+    (folder / "samples.jsonl").write_text("".join(json.dumps({"step": 1, "prompt": "p", "completion": c}) + "\n"
                                                   for c in completions))
     return folder
 
 
 def test_a_pair_of_one_seed_is_compared_step_by_step_and_runs_of_two_seeds_are_refused(tmp_path):
-    """The entropy section's paired comparison: same reward, completions alike, and each quantity's relative change
-    (exactly equal ones read 0, not +0.00%); a torn last line is skipped, and two seeds are no pair."""
+    """The entropy section's paired comparison: same reward, completions alike (of the first run's, the second's
+    count named when it differs), each quantity's change relative to the second's magnitude (a negative surrogate
+    that rose reads +), exactly equal ones as 0, a step only one run logged, a torn last line skipped; two seeds,
+    a folder without a seed and a metric neither run logged are refused in one line."""
     paired = load("paired")
-    first = paired_run(tmp_path / "a", 1, [0.5, 0.25], [0.101, 0.2], ["x", "y", "z"])
-    second = paired_run(tmp_path / "b", 1, [0.5, 0.3], [0.100, 0.2], ["x", "y", "w"])
-    table = paired.paired_table(first, second, ["losses/entropy", "losses/clipfrac"], steps=5).splitlines()
-    assert table[2:] == ["| 1 | yes | 2 of 3 | +1.00% | 0 |", "| 2 | no | - | 0 | 0 |"]
+    first = paired_run(tmp_path / "a", 1, [0.5, 0.25, 0.5], [-0.2, 0.2, 0.1], ["x", "y", "z"])
+    second = paired_run(tmp_path / "b", 1, [0.5, 0.3], [-0.25, 0.2], ["x", "y", "w", "v"])
+    table = paired.paired_table(first, second, ["losses/surrogate", "losses/clipfrac"], steps=5).splitlines()
+    assert table[2:] == ["| 1 | yes | 2 of 3 (4 in the second) | +20.00% | 0 |", "| 2 | no | - | 0 | 0 |",
+                         "| 3 | only the first run | - | - | - |"]
     other = paired_run(tmp_path / "c", 2, [0.5], [0.1], ["x"])
-    with pytest.raises(common.ConfigError, match=r"runs=.*c'.*seed 2 is not .*a'.*s 1"):
-        paired.paired_table(first, other, ["losses/entropy"], steps=5)
-
+    with pytest.raises(common.ConfigError, match=r"runs=.*a'.*c'.*seeds are 1 and 2; a pair is two runs of one"):
+        paired.paired_table(first, other, ["losses/surrogate"], steps=5)
+    no_seed = paired_run(tmp_path / "d", None, [0.5], [0.1], ["x"])
+    with pytest.raises(common.ConfigError, match=r"runs=.*d'.*records no seed"):
+        paired.paired_table(first, no_seed, ["losses/surrogate"], steps=5)
+    with pytest.raises(common.ConfigError, match=r"--metrics=\['losses/kl'\] is not allowed"):
+        paired.paired_table(first, second, ["losses/kl"], steps=5)
+    assert paired.relative(math.nan, 0.5) == "nan"  # a skipped update's gradient norm is no change

@@ -8,9 +8,10 @@ runs of one seed that differ in one flag draw the same completions until their p
 to change a sampled token. Over those steps the flag's own effect on a training quantity (entropy, clipping, KL) is
 measured without the noise between seeds, which at 60 steps is larger than most effects the paper reports.
 
-Prints a markdown table: per training step, whether the two runs logged the same reward, how many of the logged
-completions (`samples.jsonl`, every `--log-samples-every` steps) are identical, and for each metric the first run's
-value minus the second's, relative to the second's magnitude ("0": exactly equal).
+Prints a markdown table: per training step, whether the two runs logged the same rollout statistics (ROLLOUT,
+which depend on the completions alone: a "no" proves the completions differ, a "yes" does not prove them the same),
+how many of the logged completions (`samples.jsonl`, every `--log-samples-every` steps) are identical, and for each
+metric the first run's value minus the second's, relative to the second's magnitude ("0": exactly equal).
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ class Args:
     """training quantities to compare, metrics.jsonl keys"""
     steps: int = 20
     """compare training steps 1..steps"""
+
+
+ROLLOUT = ("charts/reward", "charts/accuracy", "charts/format_rate", "charts/response_length",
+           "charts/truncated_fraction", "charts/zero_std_fraction")
+"""what a step logs that depends on its completions alone (and the task), not on the update"""
 
 
 def logged_completions(run: Path) -> dict[int, list[tuple]]:
@@ -85,7 +91,7 @@ def paired_table(first: Path, second: Path, metrics: list[str], steps: int) -> s
     unknown = [m for m in metrics if not any(m in row for by_step in rows for row in by_step.values())]
     common.require(not unknown, "metrics", unknown, "metrics.jsonl keys that one of the runs logged")
     samples = [logged_completions(run) for run in (first, second)]
-    lines = ["| step | same reward | logged completions alike | " + " | ".join(f"`{m}`" for m in metrics) + " |",
+    lines = ["| step | same rollout statistics | logged completions alike | " + " | ".join(f"`{m}`" for m in metrics) + " |",
              "|---|---|---|" + "---|" * len(metrics)]
     for step in range(1, steps + 1):
         if step not in rows[0] and step not in rows[1]:
@@ -95,7 +101,7 @@ def paired_table(first: Path, second: Path, metrics: list[str], steps: int) -> s
             lines.append(f"| {step} | only the {only} run | - | " + " | ".join("-" for _ in metrics) + " |")
             continue
         a, b = rows[0][step], rows[1][step]
-        same_reward = "yes" if abs(a["charts/reward"] - b["charts/reward"]) <= 1e-6 else "no"
+        same_rollout = "yes" if all(abs(a[k] - b[k]) <= 1e-6 for k in ROLLOUT if k in a and k in b) else "no"
         alike = "-"
         if step in samples[0] and step in samples[1]:
             ours, theirs = samples[0][step], samples[1][step]
@@ -103,7 +109,7 @@ def paired_table(first: Path, second: Path, metrics: list[str], steps: int) -> s
             if len(theirs) != len(ours):
                 alike += f" ({len(theirs)} in the second)"
         cells = [relative(a.get(m), b.get(m)) for m in metrics]
-        lines.append(f"| {step} | {same_reward} | {alike} | " + " | ".join(cells) + " |")
+        lines.append(f"| {step} | {same_rollout} | {alike} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -574,12 +574,13 @@ def test_baselines_are_refused_at_the_papers_scale():
         study.main(script_args(study, experiment="kl", scale="paper", baselines=True))
 
 
-def paired_run(folder: Path, seed, rewards: list[float], surrogates: list[float], completions: list[str]):
+def paired_run(folder: Path, seed, rewards: list[float], surrogates: list[float], completions: list[str],
+               longer_at: int = 0):
     folder.mkdir(parents=True)
     (folder / "args.json").write_text(json.dumps({} if seed is None else {"seed": seed}))
     rows = [{"step": 0, "charts/eval_accuracy": 0.5}]
-    rows += [{"step": s, "charts/reward": r, "losses/surrogate": v, "losses/clipfrac": 0.001}
-             for s, (r, v) in enumerate(zip(rewards, surrogates), 1)]
+    rows += [{"step": s, "charts/reward": r, "charts/response_length": 30.0 + (s == longer_at),
+              "losses/surrogate": v, "losses/clipfrac": 0.001} for s, (r, v) in enumerate(zip(rewards, surrogates), 1)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"step": 3, "charts/')
     (folder / "samples.jsonl").write_text("".join(json.dumps({"step": 1, "prompt": "p", "completion": c}) + "\n"
                                                   for c in completions))
@@ -592,11 +593,12 @@ def test_a_pair_of_one_seed_is_compared_step_by_step_and_runs_of_two_seeds_are_r
     that rose reads +), exactly equal ones as 0, a step only one run logged, a torn last line skipped; two seeds,
     a folder without a seed and a metric neither run logged are refused in one line."""
     paired = load("paired")
-    first = paired_run(tmp_path / "a", 1, [0.5, 0.25, 0.5], [-0.2, 0.2, 0.1], ["x", "y", "z"])
-    second = paired_run(tmp_path / "b", 1, [0.5, 0.3], [-0.25, 0.2], ["x", "y", "w", "v"])
+    first = paired_run(tmp_path / "a", 1, [0.5, 0.25, 0.5, 0.5], [-0.2, 0.2, 0.1, 0.1], ["x", "y", "z"], longer_at=3)
+    second = paired_run(tmp_path / "b", 1, [0.5, 0.3, 0.5], [-0.25, 0.2, 0.1], ["x", "y", "w", "v"])
     table = paired.paired_table(first, second, ["losses/surrogate", "losses/clipfrac"], steps=5).splitlines()
     assert table[2:] == ["| 1 | yes | 2 of 3 (4 in the second) | +20.00% | 0 |", "| 2 | no | - | 0 | 0 |",
-                         "| 3 | only the first run | - | - | - |"]
+                         "| 3 | no | - | 0 | 0 |",  # the same reward, not the same length: other completions
+                         "| 4 | only the first run | - | - | - |"]
     other = paired_run(tmp_path / "c", 2, [0.5], [0.1], ["x"])
     with pytest.raises(common.ConfigError, match=r"runs=.*a'.*c'.*seeds are 1 and 2; a pair is two runs of one"):
         paired.paired_table(first, other, ["losses/surrogate"], steps=5)

@@ -46,7 +46,8 @@ YLABELS = {"charts/eval_accuracy": "share of held-out tasks solved", "charts/acc
            "charts/eval_response_length": "tokens per completion", "losses/entropy": "nats per token",
            "losses/kl_ref": "nats per token (k3 estimate)", "losses/clipfrac": "share of tokens clipped",
            "charts/eval_format_rate": "share well-formed", "charts/format_rate": "share well-formed",
-           "losses/approx_kl": "nats per token (k3 estimate)", "losses/grad_norm": "L2 norm before clipping, mean over minibatches",
+           "losses/approx_kl": "nats per token (k3 estimate)",
+           "losses/grad_norm": "L2 norm before clipping, mean over minibatches",
            "losses/surrogate": "min(r A, clip(r) A), mean (no KL, no entropy)"}
 ACCURACY_PANELS = {"charts/eval_accuracy"}
 BASELINES = {"charts/eval_best_constant": ("--", "best constant answer"),

@@ -91,7 +91,8 @@ def paired_table(first: Path, second: Path, metrics: list[str], steps: int) -> s
     unknown = [m for m in metrics if not any(m in row for by_step in rows for row in by_step.values())]
     common.require(not unknown, "metrics", unknown, "metrics.jsonl keys that one of the runs logged")
     samples = [logged_completions(run) for run in (first, second)]
-    lines = ["| step | same rollout statistics | logged completions alike | " + " | ".join(f"`{m}`" for m in metrics) + " |",
+    lines = ["| step | same rollout statistics | logged completions alike | "
+             + " | ".join(f"`{m}`" for m in metrics) + " |",
              "|---|---|---|" + "---|" * len(metrics)]
     for step in range(1, steps + 1):
         if step not in rows[0] and step not in rows[1]:

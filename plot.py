@@ -104,16 +104,24 @@ def read_rows(run: Path) -> list[dict]:
         raise common.ConfigError(f"runs={str(run)!r} is not allowed: its metrics.jsonl cannot be read "
                                  f"({err.strerror})") from None
     rows = []
+    for row in json_objects(text):
+        row = {k: v for k, v in row.items() if is_number(v)}
+        if math.isfinite(row.get("step", math.nan)):
+            rows.append(row)
+    return rows
+
+
+def json_objects(text: str) -> list[dict]:
+    """The objects of a .jsonl text, a line each; a line torn by a kill mid-write or not an object is skipped."""
+    objects = []
     for line in text.splitlines():
         try:
             row = json.loads(line)
         except (ValueError, RecursionError):
             continue
         if isinstance(row, dict):
-            row = {k: v for k, v in row.items() if is_number(v)}
-            if math.isfinite(row.get("step", math.nan)):
-                rows.append(row)
-    return rows
+            objects.append(row)
+    return objects
 
 
 def measured(rows: list[dict], saved: dict) -> list[dict]:

@@ -16,7 +16,6 @@ metric the first run's value minus the second's, relative to the second's magnit
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-from plot import load_args, read_rows  # noqa: E402
+from plot import json_objects, load_args, read_rows  # noqa: E402
 
 
 @dataclass
@@ -51,15 +50,11 @@ def logged_completions(run: Path) -> dict[int, list[tuple]]:
     skipped."""
     by_step: dict[int, list[tuple]] = {}
     try:
-        lines = (run / "samples.jsonl").read_text(errors="replace").splitlines()
+        text = (run / "samples.jsonl").read_text(errors="replace")
     except OSError:
         return by_step
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except (ValueError, RecursionError):
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and isinstance(row.get("completion"), str):
+    for row in json_objects(text):
+        if isinstance(row.get("step"), int) and isinstance(row.get("completion"), str):
             by_step.setdefault(row["step"], []).append((row.get("prompt"), row["completion"]))
     return by_step
 

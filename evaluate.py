@@ -168,7 +168,8 @@ def sampled_scores(backend, tokenizer, tasks: list[dict], args: Args, world: com
 
 
 def answer_operators(text: str) -> str:
-    """The operators of a completion's answer, sorted (`+`, `-*`), or `none` without a well-formed answer."""
+    """The operators of a completion's answer, sorted (`+`, `-*`; empty for a lone number), or `none` without a
+    well-formed answer."""
     answer = countdown_reward.extract_answer(text) if countdown_reward.is_well_formed(text) else None
     return common.expression_operators(answer) if answer is not None else "none"
 

@@ -522,7 +522,8 @@ def operator_table(out_dir: Path) -> str:
         by_class = (rows[-1].get("by_operator_class") or {}) if rows else {}
         guess = class_uniform_guesses(folder.parent / FINAL_DETAILS)
         for i, (cls, entry) in enumerate(by_class.items()):
-            chosen = ", ".join(f"`{op}` {n}" for op, n in sorted(entry["chosen"].items(), key=lambda kv: -kv[1]))
+            chosen = ", ".join(f"`{op}` {n}" if op else f"no operator {n}"  # "": a lone number, such as the target
+                               for op, n in sorted(entry["chosen"].items(), key=lambda kv: -kv[1]))
             p = f"{independence_p(by_class):.2g}" if i == 0 else ""
             uniform = entry.get("uniform_guess", guess.get(cls))
             lines.append(f"| {folder.parent.name} | `{cls}` | {entry['tasks']} | {entry['accuracy']:.3f} | "

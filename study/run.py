@@ -522,13 +522,18 @@ def operator_table(out_dir: Path) -> str:
         by_class = (rows[-1].get("by_operator_class") or {}) if rows else {}
         guess = class_uniform_guesses(folder.parent / FINAL_DETAILS)
         for i, (cls, entry) in enumerate(by_class.items()):
-            chosen = ", ".join(f"`{op}` {n}" if op else f"no operator {n}"  # "": a lone number, such as the target
-                               for op, n in sorted(entry["chosen"].items(), key=lambda kv: -kv[1]))
+            chosen = ", ".join(f"{chosen_name(op)} {n}" for op, n in sorted(entry["chosen"].items(),
+                                                                          key=lambda kv: -kv[1]))
             p = f"{independence_p(by_class):.2g}" if i == 0 else ""
             uniform = entry.get("uniform_guess", guess.get(cls))
             lines.append(f"| {folder.parent.name} | `{cls}` | {entry['tasks']} | {entry['accuracy']:.3f} | "
                          f"{'' if uniform is None else f'{uniform:.3f}'} | {chosen} | {p} |")
     return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def chosen_name(operators: str) -> str:
+    """How the operator table names a class of chosen answer (evaluate.answer_operators' codes)."""
+    return {"": "no operator", "none": "no answer"}.get(operators, f"`{operators}`")  # "": a lone number
 
 
 @dataclass(frozen=True)
@@ -566,6 +571,8 @@ FINDINGS = {
     "group-size": (  # G = 4 outperforms G = 2 and G = 8 adds little: the conclusion compares G = 8 with G = 2
         Finding("Fig. 5: a larger group size G leads to better model accuracy", "G8", "G2"),
         Finding("Fig. 5: training with G = 4 outperforms G = 2", "G4", "G2"),
+        Finding("Fig. 5: training with G = 4 outperforms G = 2, here at G = 2's completions per step (8 prompts x 4; "
+                "the paper fixes the prompts)", "G4-same-completions", "G2"),
         Finding("Fig. 5(b): a smaller G leads to higher KL divergence to the reference policy", "G2", "G8",
                 "losses/kl_ref")),
     "kl": (  # beta = 0.0075 and 0.01 are both "the best", 0.04 the worst; 0.01 is GRPO's default here

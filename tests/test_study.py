@@ -336,6 +336,9 @@ def test_the_operator_table_reads_each_runs_final_evaluation(tmp_path):
     record["by_operator_class"]["-"]["chosen"] = {"": 2}  # a well-formed answer without an operator: a lone number
     (run / study.FINAL_EVAL).write_text(json.dumps(record) + "\n")
     assert study.operator_table(tmp_path).splitlines()[3].split(" | ")[5] == "no operator 2"
+    record["by_operator_class"]["-"]["chosen"] = {"none": 1, "-": 1}  # evaluate's code for no well-formed answer
+    (run / study.FINAL_EVAL).write_text(json.dumps(record) + "\n")
+    assert study.operator_table(tmp_path).splitlines()[3].split(" | ")[5] == "no answer 1, `-` 1"
 
 
 def fisher_two_sided(star_on_products: int, star_on_sums: int, per_class: int = 64) -> float:

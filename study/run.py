@@ -573,8 +573,12 @@ FINDINGS = {
         Finding("Fig. 5: training with G = 4 outperforms G = 2", "G4", "G2"),
         Finding("Fig. 5: training with G = 4 outperforms G = 2, here at G = 2's completions per step (8 prompts x 4; "
                 "the paper fixes the prompts)", "G4-same-completions", "G2"),
+        Finding("Fig. 5: a larger group size G leads to better model accuracy, here G = 8 at G = 2's completions per "
+                "step (4 prompts x 8)", "G8-same-completions", "G2"),
         Finding("Fig. 5(b): a smaller G leads to higher KL divergence to the reference policy", "G2", "G8",
-                "losses/kl_ref")),
+                "losses/kl_ref"),
+        Finding("Fig. 5(b): a smaller G leads to higher KL divergence to the reference policy, here G = 8 at G = 2's "
+                "completions per step", "G2", "G8-same-completions", "losses/kl_ref")),
     "kl": (  # beta = 0.0075 and 0.01 are both "the best", 0.04 the worst; 0.01 is GRPO's default here
         Finding("Fig. 6(a): a moderate beta yields the best accuracy; beta = 0.04 significantly degrades it",
                 "beta-0.01", "beta-0.04"),

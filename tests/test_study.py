@@ -477,7 +477,7 @@ def test_the_summary_gives_each_evaluation_steps_mean_and_range_over_seeds(tmp_p
 
 def verdict_row(out_dir, experiment, finding):
     table = study.verdict_table(study.variant_runs(out_dir), experiment)
-    (row,) = [line for line in table.splitlines() if finding.claim in line]
+    (row,) = [line for line in table.splitlines() if line.startswith(f"| {finding.claim} |")]
     return row
 
 

@@ -542,6 +542,15 @@ def test_a_training_quantity_is_read_as_its_last_steps_mean_an_evaluation_as_its
     assert study.finished_values(runs, "charts/eval_accuracy") == [0.7]
 
 
+@pytest.mark.parametrize("experiment", sorted(study.FINDINGS))
+def test_study_readme_prints_each_experiments_verdicts_as_its_committed_runs_give_them(experiment):
+    """A run recorded without re-printing its experiment's findings table would leave a stale verdict in the
+    study's README: each section holds the table `--summary` prints from the committed metrics."""
+    section = (ROOT / "study" / "README.md").read_text().split(f"\n### `{experiment}`", 1)[1].split("\n### ", 1)[0]
+    table = study.verdict_table(study.variant_runs(ROOT / "study" / "results" / "cpu" / experiment), experiment)
+    assert table in section
+
+
 def test_the_summary_ends_with_the_verdicts_where_the_paper_has_findings(tmp_path, capsys):
     for seed in (1, 2):
         fake_run(tmp_path / "cpu" / "group-size", "G8", seed, 0.8)

@@ -450,3 +450,21 @@ def test_step_breakdown_pools_each_variants_training_steps_and_counts_tokens_as_
     _, masks = common.encode_prompts(tokenizer, prompts, 1, "cpu")  # left-padded as the scripts encode them
     assert g4["prompt"] == masks.sum().item() / 2 and g4["completion"] == 34.0
     assert (got["experiment/G2"]["update"], got["experiment/G2"]["completion"]) == (7.0, 5.0)
+
+
+def test_time_to_gain_counts_every_logged_minute_up_to_the_first_evaluation_clear_of_the_best_constant(tmp_path):
+    spec = importlib.util.spec_from_file_location("time_to_gain", ROOT / "benchmark" / "time_to_gain.py")
+    time_to_gain = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(time_to_gain)
+    evaluation = lambda step, accuracy: {"step": step, "charts/eval_accuracy": accuracy, "time/eval": 60.0,
+                                         "charts/eval_best_constant": 0.5}
+    rows = [evaluation(0, 0.9)]  # the starting model: no gain of training, however high
+    rows += [{"step": s, "time/step": 30.0} for s in (1, 2)] + [evaluation(2, 0.5390625)]  # 4.0 points: short
+    rows += [{"step": s, "time/step": 30.0} for s in (3, 4)] + [evaluation(4, 0.55)]  # exactly 5 points
+    rows += [{"step": 5, "time/step": 30.0}, evaluation(5, 0.7)]
+    got = time_to_gain.first_gain(rows, margin=0.05)
+    assert (got["step"], got["accuracy"], got["gained"]) == (4, 0.55, True)
+    assert got["minutes"] == (3 * 60.0 + 4 * 30.0) / 60  # three evaluations and four steps
+    never = time_to_gain.first_gain(rows[:4], margin=0.05)
+    assert (never["step"], never["gained"], never["minutes"]) == (2, False, (2 * 60.0 + 2 * 30.0) / 60)
+    assert time_to_gain.first_gain(rows, margin=0.2)["step"] == 5

@@ -29,8 +29,8 @@ def first_gain(rows: list[dict], margin: float) -> dict:
     minutes, last = 0.0, None
     for row in rows:
         minutes += (row.get("time/step", 0.0) + row.get("time/eval", 0.0)) / 60
-        if "charts/eval_accuracy" not in row:
-            continue
+        if "charts/eval_accuracy" not in row or "charts/eval_best_constant" not in row:
+            continue  # not an evaluation, or one from before evaluations logged their baseline
         last = row
         if row["step"] > 0 and row["charts/eval_accuracy"] >= row["charts/eval_best_constant"] + margin:
             return dict(step=row["step"], accuracy=row["charts/eval_accuracy"],
@@ -60,7 +60,7 @@ def main():
     for run, r in results:
         name = f"{run.resolve().parent.name}/{run.resolve().name}"
         if r["step"] is None:
-            print(f"| {name} | no evaluation | | | {r['minutes']:.1f} |")
+            print(f"| {name} | no evaluation with its best constant | | | {r['minutes']:.1f} |")
         elif r["gained"]:
             print(f"| {name} | step {r['step']} | {study.percent(r['accuracy'])} | {study.percent(r['best_constant'])} "
                   f"| {r['minutes']:.1f} |")

@@ -468,3 +468,6 @@ def test_time_to_gain_counts_every_logged_minute_up_to_the_first_evaluation_clea
     never = time_to_gain.first_gain(rows[:4], margin=0.05)
     assert (never["step"], never["gained"], never["minutes"]) == (2, False, (2 * 60.0 + 2 * 30.0) / 60)
     assert time_to_gain.first_gain(rows, margin=0.2)["step"] == 5
+    unjudged = [{"step": 0, "charts/eval_accuracy": 0.9, "time/eval": 60.0}]  # logged before the baselines were
+    assert time_to_gain.first_gain(unjudged, margin=0.05) == dict(step=None, accuracy=None, best_constant=None,
+                                                                  minutes=1.0, gained=False)

@@ -1,5 +1,6 @@
 """How soon each finished run showed a gain, read from its own records (nothing is run): the logged minutes of
-training and evaluation (time/step + time/eval, the study's wall time) until its first held-out evaluation at
+training and evaluation (time/step + time/eval summed over its rows, as study/run.py's summary counts a run's wall
+time; loading, checkpoints and the warm start are not in it) until its first held-out evaluation at
 least --margin above the best constant answer on the same tasks. The README's first command adds, before its
 step 0, the bundled model's conversion and the warm start (benchmark/first_command.py measures the whole).
 
@@ -11,11 +12,13 @@ A link to a run of another experiment (study/run.py links a variant that is anot
 
 import argparse
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
 from plot import read_rows  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("study_run", ROOT / "study" / "run.py")
@@ -28,9 +31,9 @@ def first_gain(rows: list[dict], margin: float) -> dict:
     including it; or, when none has, the last evaluation's step and the minutes of the whole run."""
     minutes, last = 0.0, None
     for row in rows:
-        minutes += (row.get("time/step", 0.0) + row.get("time/eval", 0.0)) / 60
-        if "charts/eval_accuracy" not in row or "charts/eval_best_constant" not in row:
-            continue  # not an evaluation, or one from before evaluations logged their baseline
+        minutes += sum(row[k] for k in ("time/step", "time/eval") if math.isfinite(row.get(k, math.nan))) / 60
+        if not all(math.isfinite(row.get(k, math.nan)) for k in ("charts/eval_accuracy", "charts/eval_best_constant")):
+            continue  # not an evaluation, one from before evaluations logged their baseline, or a hand-edited value
         last = row
         if row["step"] > 0 and row["charts/eval_accuracy"] >= row["charts/eval_best_constant"] + margin:
             return dict(step=row["step"], accuracy=row["charts/eval_accuracy"],
@@ -49,10 +52,9 @@ def main():
     args = parser.parse_args()
     seen, results = set(), []
     for run in args.runs:
-        if run.resolve() in seen or not (run / "metrics.jsonl").is_file():
-            continue
-        seen.add(run.resolve())
-        results.append((run, first_gain(read_rows(run), args.margin)))
+        if run.resolve() not in seen:  # read_rows names a run whose metrics.jsonl cannot be read, in one line
+            seen.add(run.resolve())
+            results.append((run, first_gain(read_rows(run), args.margin)))
     results.sort(key=lambda item: (not item[1]["gained"], item[1]["minutes"]))
     print(f"| run | first evaluation >= best constant + {100 * args.margin:g} points | accuracy | best constant "
           "| logged minutes until then |")
@@ -70,4 +72,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    common.run_command(main)

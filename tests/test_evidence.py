@@ -471,3 +471,7 @@ def test_time_to_gain_counts_every_logged_minute_up_to_the_first_evaluation_clea
     unjudged = [{"step": 0, "charts/eval_accuracy": 0.9, "time/eval": 60.0}]  # logged before the baselines were
     assert time_to_gain.first_gain(unjudged, margin=0.05) == dict(step=None, accuracy=None, best_constant=None,
                                                                   minutes=1.0, gained=False)
+    edited = [{"step": 0, "time/eval": float("nan")}, {"step": 1, "time/step": 30.0},
+              {"step": 1, "charts/eval_accuracy": float("inf"), "charts/eval_best_constant": 0.5}]
+    assert time_to_gain.first_gain(edited, margin=0.05) == dict(step=None, accuracy=None, best_constant=None,
+                                                                minutes=0.5, gained=False)

@@ -452,7 +452,7 @@ def test_step_breakdown_pools_each_variants_training_steps_and_counts_tokens_as_
     assert (got["experiment/G2"]["update"], got["experiment/G2"]["completion"]) == (7.0, 5.0)
 
 
-def test_time_to_gain_counts_every_logged_minute_up_to_the_first_evaluation_clear_of_the_best_constant(tmp_path):
+def test_time_to_gain_counts_every_logged_minute_up_to_the_first_evaluation_clear_of_the_best_constant():
     spec = importlib.util.spec_from_file_location("time_to_gain", ROOT / "benchmark" / "time_to_gain.py")
     time_to_gain = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(time_to_gain)

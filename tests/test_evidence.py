@@ -2,7 +2,6 @@
 constant answer does well on, a warm start whose answers ignore the target, and runs that record their code."""
 
 import collections
-import importlib.util
 import json
 import os
 import random
@@ -420,9 +419,7 @@ def test_sizes_are_bounded_by_what_fits_with_the_reason(tmp_path):
 
 def test_step_breakdown_pools_each_variants_training_steps_and_counts_tokens_as_the_model_sees_them(tmp_path,
                                                                                                   tokenizer):
-    spec = importlib.util.spec_from_file_location("step_breakdown", ROOT / "benchmark" / "step_breakdown.py")
-    step_breakdown = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(step_breakdown)
+    step_breakdown = load("step_breakdown", "benchmark")
 
     def run(name, updates, lengths, prompts):
         folder = tmp_path / "experiment" / name
@@ -453,9 +450,7 @@ def test_step_breakdown_pools_each_variants_training_steps_and_counts_tokens_as_
 
 
 def test_time_to_gain_counts_every_logged_minute_up_to_the_first_evaluation_clear_of_the_best_constant():
-    spec = importlib.util.spec_from_file_location("time_to_gain", ROOT / "benchmark" / "time_to_gain.py")
-    time_to_gain = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(time_to_gain)
+    time_to_gain = load("time_to_gain", "benchmark")
     evaluation = lambda step, accuracy: {"step": step, "charts/eval_accuracy": accuracy, "time/eval": 60.0,
                                          "charts/eval_best_constant": 0.5}
     rows = [evaluation(0, 0.9)]  # the starting model: no gain of training, however high

@@ -24,8 +24,9 @@ import plot
 from conftest import ROOT, TINY, read_metrics, script_args, tiny_args
 
 
-def load(name):
-    spec = importlib.util.spec_from_file_location(f"study_{name}", ROOT / "study" / f"{name}.py")
+def load(name, folder="study"):
+    """A script of study/ (or benchmark/) as a module: they are run as files, not imported as a package."""
+    spec = importlib.util.spec_from_file_location(f"{folder}_{name}", ROOT / folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)

@@ -23,7 +23,7 @@ from plot import read_rows  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("study_run", ROOT / "study" / "run.py")
 study = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)  # dataclasses look it up there
-_spec.loader.exec_module(study)  # its percent(): the study's tables round half up, and so does this one
+_spec.loader.exec_module(study)  # its percent() (the study's tables round half up) and wall_minutes()
 
 
 def first_gain(rows: list[dict], margin: float) -> dict:
@@ -31,7 +31,7 @@ def first_gain(rows: list[dict], margin: float) -> dict:
     including it; or, when none has, the last evaluation's step and the minutes of the whole run."""
     minutes, last = 0.0, None
     for row in rows:
-        minutes += sum(row[k] for k in ("time/step", "time/eval") if math.isfinite(row.get(k, math.nan))) / 60
+        minutes += study.wall_minutes([row])
         if not all(math.isfinite(row.get(k, math.nan)) for k in ("charts/eval_accuracy", "charts/eval_best_constant")):
             continue  # not an evaluation, one from before evaluations logged their baseline, or a hand-edited value
         last = row

@@ -336,8 +336,10 @@ def in_use(folder: Path) -> bool:
 
 
 def wall_minutes(rows: list[dict]) -> float:
-    """The run's training and evaluation time, from its own logged times (not file dates: a clone has new ones)."""
-    return sum(row.get("time/step", 0.0) + row.get("time/eval", 0.0) for row in rows) / 60
+    """The run's training and evaluation time, from its own logged times (not file dates: a clone has new ones);
+    a missing or non-finite time (a hand-edited file) counts as none rather than making the total nan."""
+    return sum(row[key] for row in rows for key in ("time/step", "time/eval")
+               if math.isfinite(row.get(key, math.nan))) / 60
 
 
 Runs = dict[str, list[tuple[Path, list[dict]]]]

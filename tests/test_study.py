@@ -252,6 +252,9 @@ def test_the_summary_wall_time_is_the_logged_time_not_file_dates():
     rows = [{"step": 0, "time/eval": 30.0}, {"step": 1, "time/step": 50.0}, {"step": 2, "time/step": 40.0,
                                                                              "time/eval": 30.0}]
     assert study.wall_minutes(rows) == pytest.approx(150 / 60)
+    hand_edited = rows + [{"step": 3, "time/step": float("nan"), "time/eval": float("inf")},
+                          {"step": 4, "time/step": 60.0}]
+    assert study.wall_minutes(hand_edited) == pytest.approx(210 / 60)
 
 
 def readme_quick_start() -> str:

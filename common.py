@@ -1500,17 +1500,30 @@ def micro_batches(rollout: "Rollout", rows: torch.Tensor, micro_batch_size: int,
             needed = torch.tensor([count], device=world.device)
             dist.all_reduce(needed, op=dist.ReduceOp.MAX)
             count = int(needed.item())
-        low, high = 1, max_tokens  # the smallest cap on padded tokens that needs no more than `count`
-        while low < high:
-            mid = (low + high) // 2
-            low, high = (low, mid) if len(_fill(order, lengths, mid)) <= count else (mid + 1, high)
-        groups = _fill(order, lengths, low)
-        while len(groups) < count:  # a process with shorter rows: split its largest micro-batch
-            largest = max(range(len(groups)), key=lambda i: _padded(groups[i], lengths))
-            half = len(groups[largest]) // 2
-            groups[largest:largest + 1] = [groups[largest][:half], groups[largest][half:]]
+        groups = _balanced(order, lengths, max_tokens, count)
     return [MicroBatch(torch.tensor(g, device=device), max(lengths[r][0] for r in g), max(lengths[r][1] for r in g))
             for g in groups]
+
+
+def _balanced(order: list[int], lengths: dict, max_tokens: int, count: int) -> list[list[int]]:
+    """The rows in `count` consecutive micro-batches, the largest as small as it can be: the smallest cap on padded
+    tokens whose fill needs no more than `count`; a process whose rows need fewer (FSDP2's forwards are collective)
+    then splits its largest micro-batch of two or more rows until it has `count`. Processes hold equally many rows
+    and each needs at most one micro-batch per row, so `count` never exceeds the rows."""
+    low, high = 1, max_tokens
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if len(_fill(order, lengths, mid)) <= count else (mid + 1, high)
+    groups = _fill(order, lengths, low)
+    while len(groups) < count:
+        splittable = [i for i, group in enumerate(groups) if len(group) > 1]  # a single row split leaves one empty
+        if not splittable:
+            raise ValueError(f"{len(order)} rows cannot make {count} micro-batches: every process must hold as many "
+                             "rows")
+        largest = max(splittable, key=lambda i: _padded(groups[i], lengths))
+        half = len(groups[largest]) // 2
+        groups[largest:largest + 1] = [groups[largest][:half], groups[largest][half:]]
+    return groups
 
 
 def _padded(group: list[int], lengths: dict) -> int:

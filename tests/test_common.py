@@ -334,6 +334,22 @@ def test_a_token_budget_balances_micro_batches_instead_of_leaving_a_small_last_o
         assert max(padded) == best, (trial, padded, best)
 
 
+def test_a_process_that_needs_fewer_micro_batches_never_makes_an_empty_one():
+    """Under torchrun every process takes as many micro-batches as the one that needs most (here 8). These 9
+    rows need 5 under a budget of 600 padded tokens, and the budget's search leaves them as 1, 1, 1, 1, 1, 2 and
+    2 rows, with a single row the largest: splitting that one would leave an empty micro-batch (whose forward
+    fails), so the largest of two or more rows is split instead."""
+    lengths = dict(enumerate([(69, 230), (97, 23), (105, 177), (75, 290), (61, 68), (113, 3), (68, 53), (81, 178),
+                              (106, 152)]))  # row: (prompt, completion) tokens
+    order = sorted(lengths, key=lambda r: (lengths[r][1], lengths[r][0]), reverse=True)  # as micro_batches sorts
+    assert len(common._fill(order, lengths, 600)) == 5
+    groups = common._balanced(order, lengths, 600, count=8)
+    assert len(groups) == 8 and all(groups)
+    assert [row for group in groups for row in group] == order  # consecutive, every row once
+    with pytest.raises(ValueError, match="9 rows cannot make 10 micro-batches"):
+        common._balanced(order, lengths, 600, count=10)
+
+
 def test_micro_batches_group_similar_lengths_within_a_token_budget():
     rollout = synthetic_rollout(batch_size=8)  # completion lengths 1 4 7 3 6 2 5 1, prompts 6 5 4 6 5 4 6 5
     rows = torch.arange(8)

@@ -444,6 +444,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             # ---- Update (eq. 12) -----------------------------------------------------------------
             update_means, skipped = update_policy(policy, optimizer, rollout, advantages, old_logprobs, ref_model,
                                                   args, update_rng, world, loss_mask)
+            learning_rate = scheduler.get_last_lr()[0]  # the rate this step trained at, before the schedule moves on
             scheduler.step()
         if not bookkeeping.weights_finite(policy, world):  # a finite gradient times a huge step
             raise common.RunStopped(f"the weights are not finite after step {step}; the newest checkpoint in "
@@ -471,7 +472,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             "charts/advantage_std": common.all_reduce_std(advantages[kept], world),
             "charts/generation_batches": len(batches),
             "charts/dropped_fraction": 1 - counts["trained"] / counts["generated"],  # generated, not trained on
-            "charts/learning_rate": scheduler.get_last_lr()[0],
+            "charts/learning_rate": learning_rate,
             "charts/tokens_per_second": scalars["charts/response_length"] * counts["generated"] / step_time,
             "charts/skipped_steps": skipped_steps,
             "time/generation": sum(b.seconds for b in batches),

@@ -339,6 +339,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             # ---- Update (eq. 9, 11) --------------------------------------------------------------
             update_means, skipped = update_policy(policy, optimizer, rollout, advantages, old_logprobs, ref_model,
                                                   args, update_rng, world)
+            learning_rate = scheduler.get_last_lr()[0]  # the rate this step trained at, before the schedule moves on
             scheduler.step()
         if not bookkeeping.weights_finite(policy, world):  # a finite gradient times a huge step
             raise common.RunStopped(f"the weights are not finite after step {step}; the newest checkpoint in "
@@ -359,7 +360,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             "charts/zero_std_fraction": equal_groups, "charts/advantage_mean": advantages}, world)
         scalars.update(common.average_over_processes(update_means, world), **{
             "charts/advantage_std": common.all_reduce_std(advantages, world),
-            "charts/learning_rate": scheduler.get_last_lr()[0],
+            "charts/learning_rate": learning_rate,
             "charts/tokens_per_second": scalars["charts/response_length"] * len(rewards) * world.world_size / step_time,
             "charts/skipped_steps": skipped_steps,
             "time/generation": generation_time.seconds, "time/update": update_time.seconds,

@@ -444,6 +444,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
             update_means, skipped = update_policy(policy, critic, optimizer, critic_optimizer, rollout, advantages,
                                                   returns, old_logprobs, old_values, args, update_rng, world,
                                                   train_actor)
+            learning_rate = scheduler.get_last_lr()[0]  # the rate this step trained at, before the schedule moves on
             if train_actor:
                 scheduler.step()
         if not (bookkeeping.weights_finite(policy, world) and bookkeeping.weights_finite(critic, world)):  # a huge step
@@ -473,7 +474,7 @@ def train(args: Args, reward_fn: RewardFn | None = None, typed_flags: set[str] |
         scalars.update(common.average_over_processes({**update_means, **kl_ref}, world), **{
             "charts/advantage_std": common.all_reduce_std(advantages[tokens], world),
             "charts/explained_variance": 1 - error_var / return_var if return_var > 0 else float("nan"),
-            "charts/learning_rate": scheduler.get_last_lr()[0],
+            "charts/learning_rate": learning_rate,
             "charts/tokens_per_second": scalars["charts/response_length"] * len(rewards) * world.world_size / step_time,
             "charts/skipped_steps": skipped_steps,
             "time/generation": generation_time.seconds, "time/update": update_time.seconds,

@@ -167,6 +167,17 @@ def test_bad_flags_stop_before_anything_loads(algo, flags, message):
         algo.check_args(script_args(algo, **flags), 1)
 
 
+@pytest.mark.parametrize("algo", [grpo, dapo, ppo])
+def test_the_logged_learning_rate_is_the_one_the_step_trained_at(algo, tiny_model_dir, tmp_path):
+    """With one warm-up step, step 1 trains at half the rate and step 2 at the full rate; the log says so (read
+    after the scheduler's step it would show the next step's rate: the full rate twice)."""
+    args = tiny_args(algo, model=tiny_model_dir, warmup_steps=1, learning_rate=1e-3, num_steps=2,
+                     runs_dir=str(tmp_path))
+    out = algo.train(args, reward_fn=even_token_reward)
+    _, rows = read_metrics(out["run_dir"])
+    assert [row["charts/learning_rate"] for row in rows if "charts/learning_rate" in row] == pytest.approx([5e-4, 1e-3])
+
+
 def test_non_finite_weights_are_detected(tiny_model_dir):
     model = common.load_model(tiny_model_dir, torch.device("cpu"))
     assert bookkeeping.weights_finite(model, common.Dist())

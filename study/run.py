@@ -580,7 +580,9 @@ FINDINGS = {
         Finding("Fig. 5(b): a smaller G leads to higher KL divergence to the reference policy", "G2", "G8",
                 "losses/kl_ref"),
         Finding("Fig. 5(b): a smaller G leads to higher KL divergence to the reference policy, here G = 8 at G = 2's "
-                "completions per step", "G2", "G8-same-completions", "losses/kl_ref")),
+                "completions per step", "G2", "G8-same-completions", "losses/kl_ref"),
+        Finding("Fig. 5(b): a smaller G leads to higher KL divergence to the reference policy, here G = 4 against "
+                "G = 2", "G2", "G4", "losses/kl_ref")),
     "kl": (  # beta = 0.0075 and 0.01 are both "the best", 0.04 the worst; 0.01 is GRPO's default here
         Finding("Fig. 6(a): a moderate beta yields the best accuracy; beta = 0.04 significantly degrades it",
                 "beta-0.01", "beta-0.04"),
@@ -602,6 +604,12 @@ FINDINGS = {
                 "losses/surrogate")),
     "dapo-group-size": (  # G8 and G2-beta0 differ in G alone: DAPO's beta is 0
         Finding("Fig. 8(a): a larger group size leads to higher model accuracy", "G8", "G2-beta0"),
+        Finding("Fig. 8(a): a larger group size leads to higher model accuracy, here G = 4 against G = 2", "G4",
+                "G2-beta0"),
+        Finding("Fig. 8 (caption): a larger group size leads to a higher policy gradient", "G8", "G2-beta0",
+                "losses/grad_norm"),
+        Finding("Fig. 8 (caption): a larger group size leads to a higher policy gradient, here G = 4 against G = 2",
+                "G4", "G2-beta0", "losses/grad_norm"),
         Finding("Section 3.6: at G = 2 without the KL penalty, the model performs poorly", "G2-beta0.01",
                 "G2-beta0"),
         Finding("Section 3.6: without the KL penalty at G = 2, the policy gradient is much larger", "G2-beta0",
@@ -610,6 +618,8 @@ FINDINGS = {
                 "G2-beta0.01", "G2-beta0", "charts/response_length"),
         Finding("Fig. 8(b): at G = 2 without KL, responses are noticeably shorter than at larger group sizes", "G8",
                 "G2-beta0", "charts/response_length"),
+        Finding("Fig. 8(b): at G = 2 without KL, responses are noticeably shorter than at larger group sizes, here "
+                "G = 4", "G4", "G2-beta0", "charts/response_length"),
         Finding("Fig. 8(c): at G = 2 without KL, the new policy deviates substantially from the old policy",
                 "G2-beta0", "G2-beta0.01", "losses/approx_kl")),  # KL to pi_old: both run 2 minibatches a step
 }

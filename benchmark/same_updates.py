@@ -8,7 +8,8 @@ that varies deterministically with the text (the crc32 of each completion), so t
 without a model that can solve Countdown, and learning rate 1e-3 so that clipping acts after the first optimizer
 step: GRPO with 2 epochs; DAPO with dynamic sampling, overlong shaping, an entropy bonus, a KL term and 2
 minibatches; PPO with a critic warm-up and an entropy bonus. Flags go through tyro, so any Args
-layout of either commit reads them. Prints one JSON line per script; exit 1 if any weights differ.
+layout of either commit reads them. Prints one JSON line per script, with both commits (`before` as given and
+resolved, `after`: this tree's commit and whether its code differs from it); exit 1 if any weights differ.
 """
 
 from __future__ import annotations
@@ -49,6 +50,18 @@ def final_weights_and_metrics(runs: Path):
     return load_file(str(checkpoint / "model.safetensors")), metrics
 
 
+def compared_versions(before: str) -> dict:
+    """The two code versions a comparison ran: --before resolved to its commit, and this tree's."""
+    sys.path.insert(0, str(ROOT))
+    import bookkeeping
+
+    resolved = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{before}^{{commit}}"],
+                              capture_output=True, text=True)
+    if resolved.returncode != 0:
+        raise SystemExit(f"--before {before!r} is not a commit of {ROOT}: give a commit, tag or branch of it")
+    return {"before": before, "before_commit": resolved.stdout.strip(), "after": bookkeeping.code_version()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", required=True, help="the commit to compare this tree with")
@@ -57,6 +70,7 @@ def main() -> int:
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import make_tiny_model_dir
 
+    versions = compared_versions(a.before)
     same_everywhere = True
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -79,7 +93,7 @@ def main() -> int:
                           and not (isinstance(r0.get(k), float) and isinstance(r1.get(k), float)
                                    and abs(r0[k] - r1[k]) <= 1e-6 * max(1.0, abs(r0[k])))
                           and r0.get(k) != r1.get(k)]
-                print(json.dumps({"script": script, "before": a.before, "weights_identical": same,
+                print(json.dumps({"script": script, **versions, "weights_identical": same,
                                   "metric_rows": [len(m0), len(m1)], "metrics_differing": logged[:10]}), flush=True)
                 same_everywhere &= same
         finally:

@@ -470,3 +470,13 @@ def test_time_to_gain_counts_every_logged_minute_up_to_the_first_evaluation_clea
               {"step": 1, "charts/eval_accuracy": float("inf"), "charts/eval_best_constant": 0.5}]
     assert time_to_gain.first_gain(edited, margin=0.05) == dict(step=None, accuracy=None, best_constant=None,
                                                                 minutes=0.5, gained=False)
+
+
+def test_same_updates_records_both_commits_and_refuses_a_before_that_is_not_one():
+    same_updates = load("same_updates", "benchmark")
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    versions = same_updates.compared_versions("HEAD")
+    assert versions["before"] == "HEAD" and versions["before_commit"] == head
+    assert versions["after"]["commit"] == head and isinstance(versions["after"]["dirty"], bool)
+    with pytest.raises(SystemExit, match="--before 'no-such-commit' is not a commit of"):
+        same_updates.compared_versions("no-such-commit")

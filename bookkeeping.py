@@ -363,11 +363,12 @@ def model_source(model_path: str) -> dict:
 
 
 def warm_start_settings(source) -> dict | None:
-    """What a model_source's warm start was made with, not where, when or by which commit (None: not one)."""
+    """What a model_source's warm start was made with, not where, when, by which commit or into which bytes (None:
+    not one). Its weights_sha256 is a record of the bytes, not a setting: resume compares settings only."""
     warm = source.get("warm_start") if isinstance(source, dict) else None
     if not isinstance(warm, dict):
         return None
-    return {k: v for k, v in warm.items() if k not in ("out", "seconds", "code_version")}
+    return {k: v for k, v in warm.items() if k not in ("out", "seconds", "code_version", "weights_sha256")}
 
 
 def check_same_warm_start(saved, current: dict, flag: str) -> None:

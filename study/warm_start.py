@@ -34,6 +34,7 @@ The folder is written beside --out and renamed into place under a lock.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
 import os
 import random
@@ -262,6 +263,19 @@ def main(args: Args) -> str:
     return args.out
 
 
+def weights_sha256(folder: Path) -> dict[str, str]:
+    """Each weights file's SHA-256: a run's args.json copies it (`model_source`), so two builds of the warm start
+    can be told apart, or shown identical, by their bytes."""
+    digests = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                digest.update(block)
+        digests[path.name] = digest.hexdigest()
+    return digests
+
+
 def publish(model, tokenizer, out: Path, record: dict) -> None:
     """Write the model into a fresh folder beside `out`, then rename it into place under a lock: a reader
     never sees half a folder, two warm starts never share a temporary folder, and only an earlier warm
@@ -275,7 +289,8 @@ def publish(model, tokenizer, out: Path, record: dict) -> None:
         common.write_portable_config(tmp)
         tokenizer.save_pretrained(tmp)
         files = sorted([*(p.name for p in tmp.iterdir()), MARKER])  # what a later warm start may replace
-        (tmp / MARKER).write_text(json.dumps({**record, "files": files}, indent=1))
+        (tmp / MARKER).write_text(json.dumps({**record, "weights_sha256": weights_sha256(tmp), "files": files},
+                                             indent=1))
         with common.file_lock(lock_path(out), f"--out={str(out)!r}"):  # checked again: training took minutes
             check_out(out)
             old = None

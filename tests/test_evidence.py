@@ -2,6 +2,7 @@
 constant answer does well on, a warm start whose answers ignore the target, and runs that record their code."""
 
 import collections
+import hashlib
 import json
 import os
 import random
@@ -334,6 +335,8 @@ def test_a_run_records_its_code_version_and_ppo_logs_kl_to_the_reference(tiny_mo
     warm_start.main(script_args(warm_start, out=str(warm), model=tiny_model_dir, num_steps=1, batch_size=2, seed=7))
     made = json.loads((warm / warm_start.MARKER).read_text())
     assert made["code_version"]["commit"] == head and made["seed"] == 7
+    assert made["weights_sha256"] == {"model.safetensors": hashlib.sha256((warm / "model.safetensors").read_bytes())
+                                      .hexdigest()}
     result = ppo.train(tiny_args(ppo, model=str(warm), group_size=1, eval_size=2, test_size=4,
                                  runs_dir=str(tmp_path / "runs")))
     saved = json.loads(open(f"{result['run_dir']}/args.json").read())

@@ -57,8 +57,9 @@ def compared_versions(before: str) -> dict:
 
     resolved = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{before}^{{commit}}"],
                               capture_output=True, text=True)
-    if resolved.returncode != 0:
-        raise SystemExit(f"--before {before!r} is not a commit of {ROOT}: give a commit, tag or branch of it")
+    if resolved.returncode != 0:  # exit 2: 1 says the weights differ
+        print(f"--before {before!r} is not a commit of {ROOT}: give a commit, tag or branch of it", file=sys.stderr)
+        raise SystemExit(2)
     return {"before": before, "before_commit": resolved.stdout.strip(), "after": bookkeeping.code_version()}
 
 
@@ -67,16 +68,17 @@ def main() -> int:
     parser.add_argument("--before", required=True, help="the commit to compare this tree with")
     parser.add_argument("--scripts", nargs="+", default=list(SCRIPTS), choices=list(SCRIPTS))
     a = parser.parse_args()
+    versions = compared_versions(a.before)
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import make_tiny_model_dir
 
-    versions = compared_versions(a.before)
     same_everywhere = True
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model = make_tiny_model_dir(tmp / "tiny")
         before = tmp / "before"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(before), a.before], check=True)
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(before),
+                        versions["before_commit"]], check=True)
         try:
             for script in a.scripts:
                 results = {}

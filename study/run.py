@@ -606,10 +606,11 @@ FINDINGS = {
         Finding("Fig. 8(a): a larger group size leads to higher model accuracy", "G8", "G2-beta0"),
         Finding("Fig. 8(a): a larger group size leads to higher model accuracy, here G = 4 against G = 2", "G4",
                 "G2-beta0"),
-        Finding("Fig. 8 (caption): a larger group size leads to a higher policy gradient", "G8", "G2-beta0",
+        # the caption's direction for panel (d); section 3.6 finds G = 2 without KL's gradient "much larger"
+        Finding("Fig. 8(d) (caption): a larger group size leads to a higher policy gradient", "G8", "G2-beta0",
                 "losses/grad_norm"),
-        Finding("Fig. 8 (caption): a larger group size leads to a higher policy gradient, here G = 4 against G = 2",
-                "G4", "G2-beta0", "losses/grad_norm"),
+        Finding("Fig. 8(d) (caption): a larger group size leads to a higher policy gradient, here G = 4 against "
+                "G = 2", "G4", "G2-beta0", "losses/grad_norm"),
         Finding("Section 3.6: at G = 2 without the KL penalty, the model performs poorly", "G2-beta0.01",
                 "G2-beta0"),
         Finding("Section 3.6: without the KL penalty at G = 2, the policy gradient is much larger", "G2-beta0",

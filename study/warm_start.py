@@ -56,8 +56,8 @@ import common  # noqa: E402
 import countdown_reward  # noqa: E402
 
 MARKER = bookkeeping.WARM_START_RECORD
-"""the file that says a folder was written by this script (its settings, code version and files); only such a
-folder is replaced, and a run started from the folder copies it into its args.json (`model_source`)"""
+"""the file that says a folder was written by this script (its settings, code version, weights' SHA-256 and files);
+only such a folder is replaced, and a run started from the folder copies it into its args.json (`model_source`)"""
 MIN_VALUE = 21
 """the examples' numbers are drawn from 21..99: no CPU rung with numbers up to 20 shares a task with them"""
 

@@ -475,11 +475,13 @@ def test_time_to_gain_counts_every_logged_minute_up_to_the_first_evaluation_clea
                                                                 minutes=0.5, gained=False)
 
 
-def test_same_updates_records_both_commits_and_refuses_a_before_that_is_not_one():
+def test_same_updates_records_both_commits_and_refuses_a_before_that_is_not_one(capsys):
     same_updates = load("same_updates", "benchmark")
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     versions = same_updates.compared_versions("HEAD")
     assert versions["before"] == "HEAD" and versions["before_commit"] == head
     assert versions["after"]["commit"] == head and isinstance(versions["after"]["dirty"], bool)
-    with pytest.raises(SystemExit, match="--before 'no-such-commit' is not a commit of"):
+    with pytest.raises(SystemExit) as refused:
         same_updates.compared_versions("no-such-commit")
+    assert refused.value.code == 2  # not 1, which says the weights differ
+    assert capsys.readouterr().err.startswith("--before 'no-such-commit' is not a commit of")

@@ -317,6 +317,38 @@ def test_the_quick_start_results_table_is_read_whole():
     assert [row[4:] for row in rows[:3]] == [("algorithms", "grpo"), ("algorithms", "ppo"), ("algorithms", "dapo")]
 
 
+def prose_blocks(markdown: str) -> list[str]:
+    """The bullets and paragraphs of a markdown text, without its tables, headings and code blocks."""
+    blocks, current, in_code = [], [], False
+    for line in markdown.split("\n"):
+        if line.startswith("```"):
+            in_code = not in_code
+        if in_code or line.startswith(("```", "|", "#", "- ")) or not line.strip():
+            if current:
+                blocks.append("\n".join(current))
+            current = [line] if line.startswith("- ") and not in_code else []
+            continue
+        current.append(line)
+    return blocks + ["\n".join(current)] if current else blocks
+
+
+OPERATOR = re.compile(r"`(?:[-+*/]|\*\*)`")
+COUNT = re.compile(r"\b\d+(?:-\d+)? of (?:the |its )?\d+\b|\ball \d+\b")
+LOGGED = re.compile(r"logged\s+(?:training\s+)?completions")
+
+
+@pytest.mark.parametrize("readme", ["README.md", "study/README.md"])
+def test_every_count_of_answers_or_samples_cites_the_committed_file_it_comes_from(readme):
+    """A count of answers by operator names the file it was counted in (`final_eval.jsonl`, an evaluation's
+    `*_details.jsonl`...), and a count of logged training completions names `samples.jsonl`, in the same bullet
+    or paragraph: a reader can recount it from the clone."""
+    blocks = prose_blocks((ROOT / readme).read_text())
+    uncited = [b for b in blocks if OPERATOR.search(b) and COUNT.search(b) and not re.search(r"\.jsonl?\b", b)]
+    uncited += [b for b in blocks if LOGGED.search(b) and COUNT.search(b) and "samples.jsonl" not in b]
+    assert not uncited, "\n\n".join(b[:200] for b in uncited)
+    assert len([b for b in blocks if OPERATOR.search(b) and COUNT.search(b)]) >= (40 if readme.startswith("study") else 0)
+
+
 def test_the_operator_table_reads_each_runs_final_evaluation(tmp_path):
     run = tmp_path / "grpo__1__1700000000"
     run.mkdir()

@@ -40,7 +40,7 @@ TITLES = {"charts/eval_accuracy": "Held-out greedy accuracy", "charts/accuracy":
           "charts/format_rate": "Training format rate",
           "charts/eval_response_length": "Held-out response length (tokens)",
           "losses/approx_kl": "KL between new and old policies", "losses/grad_norm": "Policy gradient norm",
-          "losses/surrogate": "Surrogate objective"}
+          "losses/surrogate": "Surrogate objective", "time/step": "Time per training step"}
 YLABELS = {"charts/eval_accuracy": "share of held-out tasks solved", "charts/accuracy": "share of completions correct",
            "charts/reward": "mean reward", "charts/response_length": "tokens per completion",
            "charts/eval_response_length": "tokens per completion", "losses/entropy": "nats per token",
@@ -48,7 +48,8 @@ YLABELS = {"charts/eval_accuracy": "share of held-out tasks solved", "charts/acc
            "charts/eval_format_rate": "share well-formed", "charts/format_rate": "share well-formed",
            "losses/approx_kl": "nats per token (k3 estimate)",
            "losses/grad_norm": "L2 norm before clipping, mean over minibatches",
-           "losses/surrogate": "min(r A, clip(r) A), mean (no KL, no entropy)"}
+           "losses/surrogate": "min(r A, clip(r) A), mean (no KL, no entropy)",
+           "time/step": "seconds (held-out evaluation apart)"}
 ACCURACY_PANELS = {"charts/eval_accuracy"}
 BASELINES = {"charts/eval_best_constant": ("--", "best constant answer"),
              "charts/eval_uniform_guess": (":", "uniform guess")}

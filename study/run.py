@@ -601,7 +601,9 @@ FINDINGS = {
     "dynamic-sampling": (
         Finding("Fig. 7(a): once accuracy peaks, dynamic sampling hinders further improvement", "no-ds", "ds"),
         Finding("Fig. 7(b): dynamic sampling achieves a higher surrogate objective", "ds", "no-ds",
-                "losses/surrogate")),
+                "losses/surrogate"),
+        Finding("Section 3.5: dynamic sampling adds computation time per training step (over 25% at G = 8)", "ds",
+                "no-ds", "time/step")),
     "dapo-group-size": (  # G8 and G2-beta0 differ in G alone: DAPO's beta is 0
         Finding("Fig. 8(a): a larger group size leads to higher model accuracy", "G8", "G2-beta0"),
         Finding("Fig. 8(a): a larger group size leads to higher model accuracy, here G = 4 against G = 2", "G4",

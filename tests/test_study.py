@@ -1,5 +1,6 @@
 """study/: every command of the paper's study is a valid configuration, and a stopped study resumes."""
 
+import decimal
 import errno
 import importlib
 import importlib.util
@@ -11,6 +12,7 @@ import shlex
 import shutil
 import statistics
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -273,18 +275,20 @@ BOOKKEEPING_FLAGS = {"runs_dir", "micro_batch_size", "keep_checkpoints", "save_e
 
 
 def quick_start_results():
-    """The quick start's results table: (command, seeds, accuracy, s per step, experiment, variant) per row."""
+    """The quick start's results table: (command, seeds, accuracy, best constant, gain, s per step, experiment,
+    variant) per row."""
     quick_start = readme_quick_start()
-    rows = re.findall(r"^\| `(python \w+\.py[^`]*)`[^|]* \| (\d+) \| ([^|]+) \| ([^|]+) \| `([\w-]+)` ([\w.-]+) \|$",
-                      quick_start, flags=re.M)
+    rows = re.findall(r"^\| `(python \w+\.py[^`]*)`[^|]* \| (\d+) \| ([^|]+) \| ([^|]+) \| ([^|]+) \| ([^|]+) \| "
+                      r"`([\w-]+)` ([\w.-]+) \|$", quick_start, flags=re.M)
     return [tuple(cell.strip() for cell in row) for row in rows]
 
 
 @pytest.mark.parametrize("row", quick_start_results(), ids=lambda row: row[0])
 def test_each_quick_start_result_is_the_study_run_it_names(row):
     """Each command in the quick start's table trains what its study run trained (its flags, the script's
-    defaults), and the row's numbers recompute from that run's committed metrics.jsonl."""
-    command, seeds, accuracy, seconds, experiment, variant = row
+    defaults), and the row's numbers recompute from that run's committed metrics.jsonl: the accuracy beside the best
+    constant answer's on the same tasks and the gain over it, in points, of the mean and of the lowest seed."""
+    command, seeds, accuracy, constant, gain, seconds, experiment, variant = row
     script_name, *flags = shlex.split(command)[1:]
     script = importlib.import_module(script_name[:-3])
     (_, cmd), *_ = study.run_commands(script_args(study, experiment=experiment, only=(variant,),
@@ -296,17 +300,29 @@ def test_each_quick_start_result_is_the_study_run_it_names(row):
         {k: v for k, v in study_run.items() if k not in BOOKKEEPING_FLAGS | {"exp_name", "seed"}}
 
     runs = sorted((ROOT / "study" / "results" / "cpu" / experiment).glob(f"{variant}__*"))
-    final, step_seconds = [], []
+    final, constants, step_seconds = [], set(), []
     for run in runs:
         _, rows = read_metrics(run)
         final += [r["charts/eval_accuracy"] for r in rows if r["step"] == 60 and "charts/eval_accuracy" in r]
+        constants |= {r["charts/eval_best_constant"] for r in rows if r["step"] == 60 and "charts/eval_accuracy" in r}
         step_seconds.append(round(statistics.median(r["time/step"] for r in rows if "time/step" in r)))
     assert len(final) == len(runs) == int(seeds)
     pct = study.percent  # rounded as the study's tables round, half up: 104/128 is 81.3%
     spread = "one seed so far" if len(final) == 1 else f"{pct(min(final))[:-1]}-{pct(max(final))}"
     assert accuracy == f"{pct(sum(final) / len(final))} ({spread})"
+    (best_constant,) = constants  # every seed evaluates the same held-out tasks
+    assert constant == pct(best_constant)
+    mean_gain, lowest_gain = (points(Fraction(sum(map(Fraction, final)), len(final)) - Fraction(best_constant)),
+                              points(Fraction(min(final)) - Fraction(best_constant)))
+    assert gain == (mean_gain if len(final) == 1 else f"{mean_gain} ({lowest_gain})")
     step_seconds.sort()
     assert seconds == (", ".join(map(str, step_seconds)) if len(runs) <= 2 else f"{step_seconds[0]}-{step_seconds[-1]}")
+
+
+def points(gain: Fraction) -> str:
+    """A gain in accuracy as signed points, rounded half up as study.percent rounds: 3/256 is +1.2."""
+    exact = decimal.Decimal(gain.numerator) / decimal.Decimal(gain.denominator) * 100
+    return f"{exact.quantize(decimal.Decimal('0.1'), rounding=decimal.ROUND_HALF_UP):+}"
 
 
 def test_the_quick_start_results_table_is_read_whole():
@@ -315,7 +331,7 @@ def test_the_quick_start_results_table_is_read_whole():
     quick_start = readme_quick_start()
     rows = quick_start_results()
     assert len(rows) == len(re.findall(r"^\| `python ", quick_start, flags=re.M)) >= 9
-    assert [row[4:] for row in rows[:3]] == [("algorithms", "grpo"), ("algorithms", "ppo"), ("algorithms", "dapo")]
+    assert [row[6:] for row in rows[:3]] == [("algorithms", "grpo"), ("algorithms", "ppo"), ("algorithms", "dapo")]
 
 
 def prose_blocks(markdown: str) -> list[str]:

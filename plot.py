@@ -49,7 +49,7 @@ YLABELS = {"charts/eval_accuracy": "share of held-out tasks solved", "charts/acc
            "losses/approx_kl": "nats per token (k3 estimate)",
            "losses/grad_norm": "L2 norm before clipping, mean over minibatches",
            "losses/surrogate": "min(r A, clip(r) A), mean (no KL, no entropy)",
-           "time/step": "seconds (held-out evaluation apart)"}
+           "time/step": "seconds (evaluation and checkpoint apart)"}
 ACCURACY_PANELS = {"charts/eval_accuracy"}
 BASELINES = {"charts/eval_best_constant": ("--", "best constant answer"),
              "charts/eval_uniform_guess": (":", "uniform guess")}

@@ -272,6 +272,20 @@ def test_a_failed_publish_puts_the_earlier_warm_start_back(tiny_model_dir, tmp_p
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["warm"]
 
 
+def test_every_committed_rebuild_of_the_warm_start_answers_as_the_first_and_the_study_names_it():
+    """study/README.md says the third and later builds of `bundled-warm`, which later runs started from, answer the
+    CPU rung's held-out tasks byte for byte as the first build did: each committed evaluation of a rebuild must
+    match, and each must be named there (a build evaluated and committed but not reported fails too)."""
+    folder = ROOT / "study" / "results" / "cpu" / "warm_start"
+    first = (folder / "eval_details.jsonl").read_bytes()
+    rebuilds = sorted(folder.glob("eval_rebuild_details.jsonl")) + sorted(folder.glob("eval_build*_details.jsonl"))
+    assert len(rebuilds) >= 7 and len(first.splitlines()) == 128
+    readme = (ROOT / "study" / "README.md").read_text()
+    for path in rebuilds:
+        assert path.read_bytes() == first, path.name
+        assert f"`{path.name}`" in readme, path.name
+
+
 def test_evaluate_checks_its_output_paths_before_evaluating(tmp_path):
     for flag in ("--out", "--details"):
         result = subprocess.run([sys.executable, "evaluate.py", "bundled", flag, str(tmp_path / "missing" / "x.jsonl")],

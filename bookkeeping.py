@@ -337,13 +337,14 @@ class RunDir:
 
 
 def code_version() -> dict:
-    """The commit of the code that runs and whether its code differs from it: tracked Python files and
-    requirements, not results or docs that a study adds or edits beside the code (None outside a git clone)."""
+    """The commit of the code that runs and whether its code differs from it: Python files and requirements, changed
+    or added (an untracked module can be imported too), not results or docs that a study adds or edits beside the
+    code, nor ignored files such as a virtual environment (None outside a git clone)."""
     root = Path(__file__).resolve().parent
     try:
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                                 timeout=10).stdout.strip()
-        changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
+        changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=all", "--",
                                   "*.py", "requirements*.txt"], capture_output=True, text=True,
                                  timeout=10).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):

@@ -397,7 +397,8 @@ def test_kl_to_the_reference_is_logged_only_where_there_is_a_reference(script, t
 
 
 def test_the_code_version_is_dirty_for_code_changes_only(tmp_path):
-    """A study adds and edits results beside the code: only a changed .py or requirements file is `dirty`."""
+    """A study adds and edits results beside the code: only a changed or added .py or requirements file is `dirty`
+    (a new module in a new folder too), not an ignored one."""
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", "--local", str(ROOT), str(clone)], check=True)
 
@@ -409,6 +410,15 @@ def test_the_code_version_is_dirty_for_code_changes_only(tmp_path):
     assert dirty() is False
     (clone / "study" / "README.md").write_text("edited")
     next(clone.glob("study/results/cpu/*/*/metrics.jsonl")).unlink()
+    (clone / "study" / "results" / "cpu" / "new_run").mkdir()
+    (clone / "study" / "results" / "cpu" / "new_run" / "metrics.jsonl").write_text("{}\n")
+    (clone / "runs").mkdir(exist_ok=True)
+    (clone / "runs" / "scratch.py").write_text("print()\n")  # runs/ is ignored: a run folder, not code
+    assert dirty() is False
+    (clone / "helpers").mkdir()
+    (clone / "helpers" / "reward_hack.py").write_text("print()\n")
+    assert dirty() is True
+    (clone / "helpers" / "reward_hack.py").unlink()
     assert dirty() is False
     (clone / "grpo.py").write_text((clone / "grpo.py").read_text() + "\n# edited\n")
     assert dirty() is True

@@ -303,8 +303,9 @@ def test_each_quick_start_result_is_the_study_run_it_names(row):
     final, constants, step_seconds = [], set(), []
     for run in runs:
         _, rows = read_metrics(run)
-        final += [r["charts/eval_accuracy"] for r in rows if r["step"] == 60 and "charts/eval_accuracy" in r]
-        constants |= {r["charts/eval_best_constant"] for r in rows if r["step"] == 60 and "charts/eval_accuracy" in r}
+        at_step_60 = [r for r in rows if r["step"] == 60 and "charts/eval_accuracy" in r]
+        final += [r["charts/eval_accuracy"] for r in at_step_60]
+        constants |= {r["charts/eval_best_constant"] for r in at_step_60}
         # the sentence under the table: every run starts from the same warm start's 49.2% (63 of 128)
         assert [r["charts/eval_accuracy"] for r in rows if r["step"] == 0 and "charts/eval_accuracy" in r] == [63 / 128]
         step_seconds.append(round(statistics.median(r["time/step"] for r in rows if "time/step" in r)))

@@ -31,10 +31,9 @@ import shutil
 import subprocess
 import sys
 from collections import Counter
-from itertools import combinations
-
 from dataclasses import dataclass
 from fractions import Fraction
+from itertools import combinations
 from pathlib import Path
 from statistics import fmean, median
 from typing import Literal
@@ -663,7 +662,8 @@ def permutation_p(higher: list[float], lower: list[float]) -> float:
     """Two-sided exact permutation test of the difference of means: of every way to deal the pooled seeds into
     sides of these sizes, the share whose difference is at least as large either way (seeds interchangeable).
     Sides of 3 and 3 seeds cannot go below 0.1 (the mirror split is as far apart), of 2 and 3 not below 0.1, of 2
-    and 2 not below 0.33: it tells how much a clean separation of so few seeds shows."""
+    and 2 not below 0.33: it tells how much a clean separation of so few seeds shows. The verdict reads ranges, p
+    means: 2 seeds cleanly below 3 may still give 0.2 (another split's means as far apart)."""
     pooled = higher + lower
     splits = list(combinations(range(len(pooled)), len(higher)))
 
@@ -673,7 +673,7 @@ def permutation_p(higher: list[float], lower: list[float]) -> float:
         return abs(fmean(side) - fmean(rest))
 
     observed = difference(tuple(range(len(higher))))
-    # the same seeds summed in another order may differ in the last bits: a relative tolerance keeps ties equal
+    # other seeds with the same exact sum may round apart in the last bit: a relative tolerance keeps them ties
     return sum(difference(split) >= observed * (1 - 1e-9) for split in splits) / len(splits)
 
 

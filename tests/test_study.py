@@ -551,7 +551,7 @@ def test_a_finding_holds_only_when_every_seed_of_one_side_beats_every_seed_of_th
     for variant, values in ((finding.higher, higher), (finding.lower, lower)):
         for seed, value in enumerate(values, 1):
             fake_run(tmp_path, variant, seed, value, finding.metric)
-        row = verdict_row(tmp_path, "group-size", finding)
+    row = verdict_row(tmp_path, "group-size", finding)
     assert row.endswith(f"| {p} | {verdict} |")
     assert f"| {sum(higher) / len(higher) - sum(lower) / len(lower):+.4g} | {p} |" in row
     assert f"`{finding.higher}` {sum(higher) / len(higher):.4g} ({min(higher):.4g}-{max(higher):.4g}, " \
@@ -560,15 +560,16 @@ def test_a_finding_holds_only_when_every_seed_of_one_side_beats_every_seed_of_th
 
 def test_the_permutation_p_counts_every_split_of_the_seeds_at_least_as_far_apart_either_way():
     """Three seeds against three that do not overlap cannot go below 0.1 (the mirror split is as far apart),
-    two against three not below 0.1: the table says how little a clean separation of so few seeds shows. An overlapping case, worked by hand over the 10 ways to pick 2 of 5 seeds:
-    {0.9, 0.6} against {0.5, 0.7, 0.4} differ by 0.2167; {0.9, 0.7} (0.3) and {0.5, 0.4} (0.2833) are as far."""
+    two against three not below 0.1: the table says how little a clean separation of so few seeds shows. An
+    overlapping case, worked by hand over the 10 ways to pick 2 of 5 seeds: {0.9, 0.6} against {0.5, 0.7, 0.4}
+    differ by 0.2167; {0.9, 0.7} (0.3) and {0.5, 0.4} (0.2833) are as far."""
     assert study.permutation_p([0.9, 0.8, 0.7], [0.1, 0.2, 0.3]) == pytest.approx(2 / 20)
-    assert study.permutation_p([0.1, 0.2], [0.7, 0.8, 0.9]) == pytest.approx(1 / 10)  # {0.8, 0.9}: 0.52 apart
-    assert study.permutation_p([0.1, 0.2], [0.3, 0.4, 0.5]) == pytest.approx(2 / 10)  # {0.4, 0.5}: 0.2 apart too
+    assert study.permutation_p([0.1, 0.2], [0.7, 0.8, 0.9]) == pytest.approx(1 / 10)  # {0.8, 0.9}: 0.52 apart, not 0.65
+    assert study.permutation_p([0.1, 0.2], [0.3, 0.4, 0.5]) == pytest.approx(2 / 10)  # {0.4, 0.5}: 0.25 apart too
     assert study.permutation_p([0.9, 0.6], [0.5, 0.7, 0.4]) == pytest.approx(3 / 10)
     assert study.permutation_p([0.6, 0.9], [0.4, 0.5, 0.7]) == pytest.approx(3 / 10)  # seed order does not matter
     assert study.permutation_p([0.5, 0.5], [0.5, 0.5, 0.5]) == 1.0  # every split ties: nothing separates them
-        # {0.6, 0.4} and {0.2, 0.8} differ from the rest by the same 0.0967, but not in floats: a tie still counts
+    # {0.6, 0.4} and {0.2, 0.8} differ from the rest by the same 0.1, but not in floats: a tie still counts
     assert study.permutation_p([0.2, 0.8], [0.6, 0.4, 0.2]) == pytest.approx(8 / 10)
 
 
